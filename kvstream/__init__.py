@@ -1,0 +1,75 @@
+"""kvstream: KV cache events for LLM serving, as a standalone asyncio library.
+
+This module only re-exports the public API; see the submodules for the code.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from kvstream.codecs import Codec, JsonCodec
+from kvstream.errors import (
+    ClosedError,
+    ConfigError,
+    DecodeError,
+    InvalidEventError,
+    InvalidEventTypeError,
+    KVStreamError,
+    MissingDependencyError,
+    TransportError,
+)
+from kvstream.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVCacheEvent,
+)
+from kvstream.scheduler import CloseReport, Scheduler, SchedulerStatistics, every
+from kvstream.sinks import (
+    DeliveryReport,
+    FileSink,
+    MemorySink,
+    QueueSink,
+    Sink,
+    SinkStatistics,
+)
+from kvstream.sources import SourceHandle, SourceStatistics, from_take_events
+from kvstream.threadsafe import ThreadsafeHandle, run_in_thread
+
+try:
+    __version__ = version("kvstream")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "CloseReport",
+    "ClosedError",
+    "Codec",
+    "ConfigError",
+    "DecodeError",
+    "DeliveryReport",
+    "EventBatch",
+    "FileSink",
+    "InvalidEventError",
+    "InvalidEventTypeError",
+    "JsonCodec",
+    "KVCacheEvent",
+    "KVStreamError",
+    "MemorySink",
+    "MissingDependencyError",
+    "QueueSink",
+    "Scheduler",
+    "SchedulerStatistics",
+    "Sink",
+    "SinkStatistics",
+    "SourceHandle",
+    "SourceStatistics",
+    "ThreadsafeHandle",
+    "TransportError",
+    "__version__",
+    "every",
+    "from_take_events",
+    "run_in_thread",
+]

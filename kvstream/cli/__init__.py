@@ -1,0 +1,1 @@
+"""The ``kvstream`` command line. The only place that starts an event loop."""

@@ -1,0 +1,272 @@
+"""JSON lines: kvstream's own format, one batch per line, encoded with orjson.
+
+A line is one object::
+
+    {"origin": "engine-0", "epoch": "3f9c...", "seq": 12, "ts": 1767225600.125,
+     "data_parallel_rank": 0, "events": [{"type": "BlockStored", ...}, ...]}
+
+Events carry ``type`` (the class name) and vLLM's field names. The fields vLLM
+always sends are always present; the optional ones (``extra_keys``,
+``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``,
+``locality``) and ``metadata`` only when set. Hash values that are ``bytes``
+are lowercase hex strings; other ``bytes`` values (inside ``extra_keys``) are
+``{"$bytes": "<hex>"}``.
+
+``JsonCodec(hashes_as_strings=True)`` writes every integer hash as a decimal
+string, for consumers whose JSON numbers are doubles (JavaScript). Such a line
+carries ``"hash_encoding": "decimal"``, and in it a ``bytes`` hash is written
+``{"$bytes": "<hex>"}`` so the two cannot be confused. Decoders honour the key.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Final
+
+import orjson
+
+from kvstream.errors import DecodeError, KVStreamError
+from kvstream.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVCacheEvent,
+)
+
+__all__ = ["JsonCodec"]
+
+_OPTIONAL_STORED: Final = (
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+)
+_BATCH_KEYS: Final = frozenset(
+    {"origin", "epoch", "seq", "ts", "data_parallel_rank", "events", "hash_encoding"}
+)
+
+
+def _default(value: Any) -> Any:
+    # orjson calls this only for what it cannot write itself. In a hash field a
+    # bytes value is a hex string; bytes elsewhere were wrapped before encoding.
+    if type(value) is bytes:
+        return value.hex()
+    try:
+        return operator.index(value)  # numpy integers and the like
+    except TypeError:
+        raise TypeError(f"cannot encode {type(value).__name__} as JSON") from None
+
+
+def _wrap_bytes(value: Any) -> Any:
+    """Replace bytes inside ``extra_keys`` with ``{"$bytes": hex}``."""
+    if type(value) is bytes:
+        return {"$bytes": value.hex()}
+    if type(value) is list:
+        return [_wrap_bytes(v) for v in value]
+    return value
+
+
+def _unwrap_bytes(value: Any) -> Any:
+    if type(value) is dict:
+        if len(value) == 1 and type(value.get("$bytes")) is str:
+            return bytes.fromhex(value["$bytes"])
+        raise ValueError(f"expected {{'$bytes': hex}}, got {value!r}")
+    if type(value) is list:
+        return [_unwrap_bytes(v) for v in value]
+    return value
+
+
+def _decimal_hash(h: int | bytes) -> Any:
+    return str(h) if type(h) is int else {"$bytes": h.hex()}  # type: ignore[union-attr]
+
+
+def _read_hash(value: Any, decimal: bool) -> Any:
+    """Undo the hash encodings; anything unexpected is left for validation to refuse."""
+    t = type(value)
+    if t is str:
+        return int(value) if decimal else bytes.fromhex(value)
+    if t is dict:
+        return _unwrap_bytes(value)
+    return value
+
+
+class JsonCodec:
+    """kvstream's JSON-lines codec (orjson). Pure and reusable; see the module doc."""
+
+    name = "json"
+    self_delimiting = True
+
+    __slots__ = ("_decimal",)
+
+    def __init__(self, *, hashes_as_strings: bool = False) -> None:
+        self._decimal = hashes_as_strings
+
+    def __repr__(self) -> str:
+        return f"JsonCodec(hashes_as_strings={self._decimal})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is JsonCodec and other._decimal == self._decimal
+
+    def __hash__(self) -> int:
+        return hash((JsonCodec, self._decimal))
+
+    # -- encoding ---------------------------------------------------------------
+
+    def event_to_dict(self, event: KVCacheEvent) -> dict[str, Any]:
+        """The JSON object of one event (before serialization)."""
+        decimal = self._decimal
+        if type(event) is BlockStored:
+            hashes: Any = event.block_hashes
+            parent: Any = event.parent_block_hash
+            if decimal:
+                hashes = [_decimal_hash(h) for h in hashes]
+                if parent is not None:
+                    parent = _decimal_hash(parent)
+            d: dict[str, Any] = {
+                "type": "BlockStored",
+                "block_hashes": hashes,
+                "parent_block_hash": parent,
+                "token_ids": event.token_ids,
+                "block_size": event.block_size,
+                "lora_id": event.lora_id,
+                "medium": event.medium,
+                "lora_name": event.lora_name,
+            }
+            if (
+                event.extra_keys is not None
+                or event.group_idx is not None
+                or event.kv_cache_spec_kind is not None
+                or event.kv_cache_spec_sliding_window is not None
+                or event.locality is not None
+            ):
+                for key in _OPTIONAL_STORED:
+                    value = getattr(event, key)
+                    if value is not None:
+                        d[key] = _wrap_bytes(value) if key == "extra_keys" else value
+        elif type(event) is BlockRemoved:
+            hashes = event.block_hashes
+            if decimal:
+                hashes = [_decimal_hash(h) for h in hashes]
+            d = {"type": "BlockRemoved", "block_hashes": hashes, "medium": event.medium}
+            if event.group_idx is not None:
+                d["group_idx"] = event.group_idx
+            if event.locality is not None:
+                d["locality"] = event.locality
+        elif type(event) is AllBlocksCleared:
+            d = {"type": "AllBlocksCleared"}
+        else:
+            raise TypeError(f"JsonCodec: expected a KV cache event, got {event!r}")
+        metadata = event.metadata
+        if metadata is not None:
+            d["metadata"] = metadata
+        return d
+
+    def batch_to_dict(self, batch: EventBatch) -> dict[str, Any]:
+        """The JSON object of one batch (before serialization)."""
+        to_dict = self.event_to_dict
+        d: dict[str, Any] = {
+            "origin": batch.origin,
+            "epoch": batch.epoch,
+            "seq": batch.seq,
+            "ts": batch.ts,
+            "data_parallel_rank": batch.data_parallel_rank,
+            "events": [to_dict(e) for e in batch.events],
+        }
+        if self._decimal:
+            d["hash_encoding"] = "decimal"
+        return d
+
+    def encode(self, batch: EventBatch) -> bytes:
+        """One JSON line (ending in ``\\n``) for ``batch``."""
+        return orjson.dumps(
+            self.batch_to_dict(batch), default=_default, option=orjson.OPT_APPEND_NEWLINE
+        )
+
+    # -- decoding ---------------------------------------------------------------
+
+    def decode(self, data: bytes | bytearray | memoryview | str) -> EventBatch:
+        """The batch on one line. Raises :class:`DecodeError` for anything else."""
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise DecodeError(f"not a JSON line: {exc}") from None
+        return self.batch_from_dict(obj)
+
+    def decode_lines(self, data: bytes) -> list[EventBatch]:
+        """Every batch in ``data`` (JSON lines; blank lines are skipped).
+
+        A bad line raises :class:`DecodeError` naming its 1-based line number.
+        """
+        out: list[EventBatch] = []
+        for lineno, line in enumerate(data.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(self.decode(line))
+            except DecodeError as exc:
+                raise DecodeError(f"line {lineno}: {exc}") from None
+        return out
+
+    def batch_from_dict(self, obj: Any) -> EventBatch:
+        """Validate a decoded JSON object and build the batch it describes."""
+        if type(obj) is not dict:
+            raise DecodeError(f"expected a JSON object (a batch), got {type(obj).__name__}")
+        unknown = obj.keys() - _BATCH_KEYS
+        if unknown:
+            raise DecodeError(f"batch: unknown field(s) {sorted(unknown)!r}")
+        encoding = obj.get("hash_encoding")
+        if encoding not in (None, "decimal"):
+            raise DecodeError(f"batch.hash_encoding: expected 'decimal', got {encoding!r}")
+        decimal = encoding == "decimal"
+        raw_events = obj.get("events")
+        if type(raw_events) is not list:
+            raise DecodeError(f"batch.events: expected a list, got {raw_events!r:.80}")
+        events: list[KVCacheEvent] = []
+        for i, raw in enumerate(raw_events):
+            try:
+                events.append(_event_from_dict(raw, decimal))
+            except DecodeError as exc:
+                raise DecodeError(f"events[{i}]: {exc}") from None
+            except (KVStreamError, ValueError, TypeError) as exc:
+                raise DecodeError(f"events[{i}]: {exc}") from None
+        try:
+            return EventBatch(
+                seq=obj.get("seq"),  # type: ignore[arg-type]
+                ts=obj.get("ts"),  # type: ignore[arg-type]
+                events=events,
+                data_parallel_rank=obj.get("data_parallel_rank"),
+                origin=obj.get("origin", ""),
+                epoch=obj.get("epoch", ""),
+            )
+        except KVStreamError as exc:
+            raise DecodeError(str(exc)) from None
+
+
+def _event_from_dict(raw: Any, decimal: bool) -> KVCacheEvent:
+    if type(raw) is not dict:
+        raise DecodeError(f"expected an event object, got {raw!r:.80}")
+    fields = dict(raw)
+    tag = fields.pop("type", None)
+    if tag == "BlockStored":
+        hashes = fields.get("block_hashes")
+        if type(hashes) is list and (decimal or str in set(map(type, hashes))):
+            fields["block_hashes"] = [_read_hash(h, decimal) for h in hashes]
+        parent = fields.get("parent_block_hash")
+        if parent is not None and type(parent) is not int:
+            fields["parent_block_hash"] = _read_hash(parent, decimal)
+        extra = fields.get("extra_keys")
+        if extra is not None:
+            fields["extra_keys"] = _unwrap_bytes(extra)
+        return BlockStored(**fields)
+    if tag == "BlockRemoved":
+        hashes = fields.get("block_hashes")
+        if type(hashes) is list and (decimal or str in set(map(type, hashes))):
+            fields["block_hashes"] = [_read_hash(h, decimal) for h in hashes]
+        return BlockRemoved(**fields)
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared(**fields)
+    raise DecodeError(
+        f"type: expected 'BlockStored', 'BlockRemoved' or 'AllBlocksCleared', got {tag!r:.80}"
+    )

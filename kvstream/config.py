@@ -1,0 +1,305 @@
+"""The one place where URLs become objects: sinks, subscribers and codecs.
+
+Sink URLs (every one also takes ``?policy=block|drop_oldest|drop_newest``,
+``max_bytes=64MiB``, ``max_batches=N``, ``codec=json|msgpack``, ``name=...``)::
+
+    -                         JSON lines on standard output
+    file:PATH  file://PATH    JSON lines appended to PATH (a bare path works too)
+    memory:                   a MemorySink (tests, examples)
+
+and, as their issues land, ``tcp://HOST:PORT``, ``unix:PATH``, ``zmq+tcp://...``,
+``zmq+ipc://...``, ``nats://...``, ``redis://...``. An option a sink does not
+know is an error that names it; so is a malformed value.
+
+Integrations are imported only when their scheme is used, so a missing extra
+says which ``pip install 'kvstream[...]'`` fixes it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from kvstream.codecs.base import Codec
+from kvstream.codecs.json import JsonCodec
+from kvstream.consumers.base import Subscriber
+from kvstream.errors import ConfigError, MissingDependencyError
+from kvstream.sinks.base import DEFAULT_MAX_BATCHES, DEFAULT_MAX_BYTES, POLICIES, Sink
+
+__all__ = [
+    "Options",
+    "ParsedURL",
+    "make_codec",
+    "open_sink",
+    "open_subscriber",
+    "parse_size",
+    "parse_url",
+]
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS: Final = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+
+
+def parse_size(text: str, what: str = "size") -> int:
+    """``"64MiB"`` -> 67108864. Plain numbers are bytes."""
+    m = _SIZE.match(text)
+    unit = (m.group(2) or "").lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ConfigError(f"{what}: expected a size like 1048576, 64KiB or 64MiB, got {text!r}")
+    value = float(m.group(1)) * _UNITS[unit]
+    if value < 1:
+        raise ConfigError(f"{what}: expected a positive size, got {text!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class ParsedURL:
+    """A sink or source URL, split once."""
+
+    raw: str
+    scheme: str
+    #: host (without brackets) for network schemes, else ""
+    host: str
+    port: int | None
+    #: path for file/unix/ipc schemes; for network schemes the URL path without "/"
+    path: str
+    options: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        """``host:port`` (IPv6 hosts in brackets)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}" if self.port is not None else host
+
+
+class Options:
+    """The query options of a URL, taken one by one; leftovers are errors."""
+
+    def __init__(self, url: str, options: Mapping[str, str]) -> None:
+        self.url = url
+        self._options = dict(options)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._options
+
+    def pop_str(self, key: str, default: str | None = None) -> str | None:
+        return self._options.pop(key, default)
+
+    def pop_choice(self, key: str, choices: tuple[str, ...], default: str) -> str:
+        value = self._options.pop(key, default)
+        if value not in choices:
+            raise ConfigError(
+                f"{self.url}: option {key}: expected one of {', '.join(choices)}, got {value!r}"
+            )
+        return value
+
+    def pop_int(self, key: str, default: int | None = None, *, minimum: int = 0) -> int | None:
+        value = self._options.pop(key, None)
+        if value is None:
+            return default
+        try:
+            n = int(value)
+        except ValueError:
+            raise ConfigError(
+                f"{self.url}: option {key}: expected an integer, got {value!r}"
+            ) from None
+        if n < minimum:
+            raise ConfigError(f"{self.url}: option {key}: expected >= {minimum}, got {n}")
+        return n
+
+    def pop_float(self, key: str, default: float | None = None) -> float | None:
+        value = self._options.pop(key, None)
+        if value is None:
+            return default
+        try:
+            x = float(value)
+        except ValueError:
+            raise ConfigError(
+                f"{self.url}: option {key}: expected a number, got {value!r}"
+            ) from None
+        if not x >= 0:
+            raise ConfigError(f"{self.url}: option {key}: expected a number >= 0, got {value!r}")
+        return x
+
+    def pop_size(self, key: str, default: int) -> int:
+        value = self._options.pop(key, None)
+        return default if value is None else parse_size(value, f"{self.url}: option {key}")
+
+    def pop_bool(self, key: str, default: bool = False) -> bool:
+        value = self._options.pop(key, None)
+        if value is None:
+            return default
+        lowered = value.lower()
+        if lowered in ("1", "true", "yes", "on", ""):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{self.url}: option {key}: expected true or false, got {value!r}")
+
+    def finish(self) -> None:
+        """Raise for every option nobody took."""
+        if self._options:
+            names = ", ".join(sorted(self._options))
+            raise ConfigError(f"{self.url}: unknown option(s): {names}")
+
+
+def parse_url(url: str) -> ParsedURL:
+    """Split a sink/source URL. ``-`` and bare paths are files."""
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(f"URL: expected a non-empty string, got {url!r}")
+    if url == "-":
+        return ParsedURL(url, "file", "", None, "-")
+    base, _, query = url.partition("?")
+    try:
+        options = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
+    except ValueError:
+        raise ConfigError(f"{url}: malformed query string {query!r}") from None
+    m = re.match(r"^([a-zA-Z][a-zA-Z0-9+.-]*):(.*)$", base)
+    if m is None or (len(m.group(1)) == 1 and base[1:3] in (":\\", ":/")):  # a bare path
+        return ParsedURL(url, "file", "", None, base, options)
+    scheme = m.group(1).lower()
+    rest = m.group(2)
+    if scheme in ("file", "unix", "memory") or scheme.endswith("+ipc") or scheme == "ipc":
+        path = rest[2:] if rest.startswith("//") else rest
+        return ParsedURL(url, scheme, "", None, unquote(path), options)
+    parts = urlsplit(base)
+    try:
+        port = parts.port
+    except ValueError:
+        raise ConfigError(f"{url}: port: expected a number 0-65535, got {parts.netloc!r}") from None
+    host = parts.hostname or ""
+    if "*" in parts.netloc:
+        host = "*"
+    return ParsedURL(url, scheme, host, port, unquote(parts.path.lstrip("/")), options)
+
+
+# scheme -> "module:function" building a Sink from (ParsedURL, Options, common kwargs).
+_SINKS: Final[dict[str, tuple[str, str | None]]] = {
+    "file": ("kvstream.config:_file_sink", None),
+    "memory": ("kvstream.config:_memory_sink", None),
+}
+
+# scheme -> "module:function" building a Subscriber from (ParsedURL, Options, kwargs).
+_SUBSCRIBERS: Final[dict[str, tuple[str, str | None]]] = {
+    "file": ("kvstream.config:_file_subscriber", None),
+}
+
+# codec name -> "module:function" building a Codec from Options.
+_CODECS: Final[dict[str, tuple[str, str | None]]] = {
+    "json": ("kvstream.config:_json_codec", None),
+}
+
+
+def _load(table: Mapping[str, tuple[str, str | None]], key: str, what: str) -> Callable[..., Any]:
+    entry = table.get(key)
+    if entry is None:
+        known = ", ".join(sorted(table))
+        raise ConfigError(f"{what}: unknown scheme {key!r}; expected one of: {known}")
+    target, extra = entry
+    module_name, _, func = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        if extra is None:
+            raise
+        raise MissingDependencyError.for_extra(module_name, extra, exc) from exc
+    return getattr(module, func)  # type: ignore[no-any-return]
+
+
+def make_codec(name: str, options: Options | None = None) -> Codec:
+    """Build a codec by name (``json``, ``msgpack``), taking its options."""
+    opts = options or Options(name, {})
+    factory = _load(_CODECS, name, "codec")
+    return factory(opts)  # type: ignore[no-any-return]
+
+
+def open_sink(url: str, *, codecs: dict[str, Codec] | None = None) -> Sink:
+    """Build the sink a URL describes (not yet opened: enter it or add it to a scheduler).
+
+    ``codecs`` lets several URLs share codec instances (so a batch is encoded
+    once per distinct codec configuration).
+    """
+    parsed = parse_url(url)
+    opts = Options(url, parsed.options)
+    policy = opts.pop_choice("policy", POLICIES, "block")
+    common: dict[str, Any] = {
+        "policy": policy,
+        "max_bytes": opts.pop_size("max_bytes", DEFAULT_MAX_BYTES),
+        "max_batches": opts.pop_int("max_batches", DEFAULT_MAX_BATCHES, minimum=1),
+    }
+    name = opts.pop_str("name")
+    if name:
+        common["name"] = name
+    codec_name = opts.pop_str("codec")
+    if codec_name is not None:
+        codec = make_codec(codec_name, opts)
+        if codecs is not None:
+            codec = codecs.setdefault(repr(codec), codec)
+        common["codec"] = codec
+    factory = _load(_SINKS, parsed.scheme, url)
+    sink: Sink = factory(parsed, opts, common)
+    opts.finish()
+    return sink
+
+
+def open_subscriber(url: str, **kwargs: Any) -> Subscriber:
+    """Build the subscriber a URL describes (``from_seq=``, ``follow=`` where supported)."""
+    parsed = parse_url(url)
+    opts = Options(url, parsed.options)
+    factory = _load(_SUBSCRIBERS, parsed.scheme, url)
+    sub: Subscriber = factory(parsed, opts, kwargs)
+    opts.finish()
+    return sub
+
+
+# -- built-in factories -------------------------------------------------------------
+
+
+def _json_codec(opts: Options) -> Codec:
+    return JsonCodec(hashes_as_strings=opts.pop_bool("hash_strings"))
+
+
+def _file_sink(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink:
+    from kvstream.sinks.file import FileSink
+
+    if not parsed.path:
+        raise ConfigError(f"{parsed.raw}: expected a file path (file:PATH, or - for stdout)")
+    if "codec" not in common and "hash_strings" in opts:
+        common["codec"] = _json_codec(opts)
+    return FileSink(parsed.path, **common)
+
+
+def _memory_sink(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink:
+    from kvstream.sinks.memory import MemorySink
+
+    common.setdefault("codec", None)
+    return MemorySink(delay=opts.pop_float("delay", 0.0) or 0.0, **common)
+
+
+def _file_subscriber(parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]) -> Subscriber:
+    from kvstream.consumers.file import FileSubscriber
+
+    if parsed.path == "-":
+        raise ConfigError("reading from standard input is not supported; name a file")
+    follow = opts.pop_bool("follow", kwargs.pop("follow", False))
+    from_seq = opts.pop_int("from_seq", kwargs.pop("from_seq", None))
+    return FileSubscriber(parsed.path, follow=follow, from_seq=from_seq, **kwargs)

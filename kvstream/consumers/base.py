@@ -1,0 +1,134 @@
+"""What every consumer shares: continuity per ``(origin, epoch)`` and the client shape.
+
+Every transport's subscriber (socket, ZMQ, NATS, Redis, a file being followed) is
+a :class:`Subscriber`: an async context manager and an async iterator of
+:class:`EventBatch` and :class:`Gap` items, in order per origin. Gaps it could
+not repair are reported as :class:`Gap` items, never hidden.
+
+:class:`SequenceTracker` is the one place the continuity rule is written:
+
+* the first batch of an ``(origin, epoch)`` starts it (a consumer that joins
+  late starts where it joins, unless it asked for an earlier ``from_seq``);
+* ``seq == expected`` is the next batch; ``seq < expected`` is a duplicate
+  (dropped); ``seq > expected`` is a gap ``[expected, seq)``;
+* a new epoch of an origin means the producer restarted: everything it held is
+  gone, and its ``seq 0`` is never mistaken for a duplicate.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from enum import Enum
+from types import TracebackType
+from typing import NamedTuple, Self, TypeAlias
+
+from kvstream.events import EventBatch
+
+__all__ = [
+    "Continuity",
+    "Gap",
+    "SequenceTracker",
+    "Subscriber",
+    "SubscriberItem",
+]
+
+
+class Gap(NamedTuple):
+    """Batches ``[first_missing, next_seq)`` of ``(origin, epoch)`` were not received."""
+
+    origin: str
+    epoch: str
+    first_missing: int
+    next_seq: int
+    reason: str = "gap"
+
+    @property
+    def missing(self) -> int:
+        return self.next_seq - self.first_missing
+
+
+SubscriberItem: TypeAlias = EventBatch | Gap
+
+
+class Continuity(Enum):
+    NEXT = "next"  # the expected batch
+    FIRST = "first"  # first batch seen of this origin
+    NEW_EPOCH = "new_epoch"  # the origin restarted
+    DUPLICATE = "duplicate"  # already seen: drop it
+    GAP = "gap"  # batches are missing before this one
+
+
+class SequenceTracker:
+    """Checks continuity per origin; see the module doc for the rule."""
+
+    __slots__ = ("_expected", "duplicates", "gaps", "missing")
+
+    def __init__(self) -> None:
+        # origin -> (epoch, next expected seq)
+        self._expected: dict[str, tuple[str, int]] = {}
+        self.duplicates = 0
+        self.gaps = 0
+        self.missing = 0
+
+    def expect(self, origin: str, epoch: str, next_seq: int) -> None:
+        """Start ``origin`` at a known position (resume from a saved ``seq``)."""
+        self._expected[origin] = (epoch, next_seq)
+
+    def position(self, origin: str) -> tuple[str, int] | None:
+        """``(epoch, next expected seq)`` of ``origin``, or None if never seen."""
+        return self._expected.get(origin)
+
+    def origins(self) -> dict[str, tuple[str, int]]:
+        return dict(self._expected)
+
+    def check(self, batch: EventBatch) -> tuple[Continuity, Gap | None]:
+        """Classify ``batch`` and advance. Returns the gap before it, if any."""
+        origin = batch.origin
+        seq = batch.seq
+        known = self._expected.get(origin)
+        if known is None:
+            self._expected[origin] = (batch.epoch, seq + 1)
+            return Continuity.FIRST, None
+        epoch, expected = known
+        if epoch != batch.epoch:
+            self._expected[origin] = (batch.epoch, seq + 1)
+            return Continuity.NEW_EPOCH, None
+        if seq == expected:
+            self._expected[origin] = (epoch, seq + 1)
+            return Continuity.NEXT, None
+        if seq < expected:
+            self.duplicates += 1
+            return Continuity.DUPLICATE, None
+        gap = Gap(origin, epoch, expected, seq)
+        self.gaps += 1
+        self.missing += seq - expected
+        self._expected[origin] = (epoch, seq + 1)
+        return Continuity.GAP, gap
+
+
+class Subscriber(ABC):
+    """A client that reads batches back from a transport.
+
+    ``async with open_subscriber(url) as sub: async for item in sub: ...`` where an
+    item is an :class:`EventBatch` or a :class:`Gap`. Implementations reconnect
+    with backoff and resume after the last batch they delivered.
+    """
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    @abstractmethod
+    def __aiter__(self) -> AsyncIterator[SubscriberItem]: ...
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Release the connection. Idempotent."""

@@ -1,0 +1,71 @@
+"""The exceptions kvstream raises.
+
+Every error kvstream raises on purpose derives from :class:`KVStreamError`, so
+``except KVStreamError`` catches them all. Where a built-in category fits, the
+error is also an instance of it, so code written against plain Python keeps
+working::
+
+    KVStreamError
+    ├── InvalidEventError (ValueError)     an event or batch failed validation
+    │   └── InvalidEventTypeError (TypeError)   ... because a field has the wrong type
+    ├── DecodeError (ValueError)           bytes that do not decode to a valid batch
+    ├── ConfigError (ValueError)           a bad URL, option or configuration value
+    ├── MissingDependencyError (ImportError)   an optional extra is not installed
+    ├── ClosedError (RuntimeError)         the object was used after ``aclose()``
+    └── TransportError (OSError)           a sink or source cannot reach its peer
+
+Messages name the field, the value and what was expected. Foreign errors
+(``OSError``, ``zmq.ZMQError``, ...) are translated at the boundary with
+``raise ... from exc`` so the original stays attached.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ClosedError",
+    "ConfigError",
+    "DecodeError",
+    "InvalidEventError",
+    "InvalidEventTypeError",
+    "KVStreamError",
+    "MissingDependencyError",
+    "TransportError",
+]
+
+
+class KVStreamError(Exception):
+    """Root of every error kvstream raises on purpose."""
+
+
+class InvalidEventError(KVStreamError, ValueError):
+    """An event (or batch) failed validation; the message names the field and value."""
+
+
+class InvalidEventTypeError(InvalidEventError, TypeError):
+    """An event field has the wrong type."""
+
+
+class DecodeError(KVStreamError, ValueError):
+    """Bytes that do not decode to a valid batch."""
+
+
+class ConfigError(KVStreamError, ValueError):
+    """A bad URL, option or configuration value."""
+
+
+class MissingDependencyError(KVStreamError, ImportError):
+    """An optional integration is used but its extra is not installed."""
+
+    @classmethod
+    def for_extra(cls, module: str, extra: str, exc: ImportError) -> MissingDependencyError:
+        err = cls(f"{module} is not installed; install it with: pip install 'kvstream[{extra}]'")
+        err.__cause__ = exc
+        return err
+
+
+class ClosedError(KVStreamError, RuntimeError):
+    """An object was used after it was closed."""
+
+
+class TransportError(KVStreamError, OSError):
+    """A sink or source cannot reach its peer (connection refused, auth, TLS, ...)."""

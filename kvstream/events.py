@@ -1,0 +1,456 @@
+"""KV cache events and the batch that carries them.
+
+The three event types mirror vLLM's (``vllm/distributed/kv_events.py``) field for
+field, so nothing is renamed at the wire, plus what vLLM's "KV events from
+connectors" proposal added and its review dropped: every field is keyword-only and
+every event has a ``metadata`` mapping (JSON-safe, ``str`` keys).
+
+Events are immutable ``msgspec.Struct`` values. They are validated when they are
+made, at about the cost of serializing them: the bulk checks (every token id and
+hash an integer in range) run in C through :mod:`array`, and everything else is a
+handful of type checks.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Final, TypeAlias
+
+import msgspec
+from msgspec.structs import force_setattr
+
+from kvstream.errors import InvalidEventError, InvalidEventTypeError
+
+__all__ = [
+    "MEDIA",
+    "AllBlocksCleared",
+    "BlockHash",
+    "BlockRemoved",
+    "BlockStored",
+    "EventBatch",
+    "KVCacheEvent",
+    "validate_metadata",
+]
+
+#: A block hash: an integer in ``[-2**63, 2**64)`` (vLLM's default is the low 64
+#: bits of a sha256 digest; SGLang's is signed) or raw digest bytes.
+BlockHash: TypeAlias = int | bytes
+
+#: Storage tiers vLLM names in ``medium``. Other strings are allowed.
+MEDIA: Final = ("GPU", "CPU", "CPU_PINNED", "DISK", "EXTERNAL", "STORAGE")
+
+_HASH_MIN: Final = -(2**63)
+_HASH_LIMIT: Final = 2**64
+_MAX_DEPTH: Final = 32
+
+
+def _fail_type(event: str, field: str, value: object, expected: str) -> InvalidEventTypeError:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return InvalidEventTypeError(
+        f"{event}.{field}: expected {expected}, got {shown} ({type(value).__name__})"
+    )
+
+
+def _fail_value(event: str, field: str, value: object, expected: str) -> InvalidEventError:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return InvalidEventError(f"{event}.{field}: expected {expected}, got {shown}")
+
+
+def _check_hash(event: str, field: str, h: object) -> None:
+    if type(h) is int:
+        if not _HASH_MIN <= h < _HASH_LIMIT:
+            raise _fail_value(event, field, h, "an integer in [-2**63, 2**64)")
+    elif type(h) is not bytes:
+        raise _fail_type(event, field, h, "an int in [-2**63, 2**64) or bytes")
+
+
+def _all_int(values: list[Any]) -> bool:
+    """True when every value is exactly ``int`` (array() also takes numpy ints)."""
+    return set(map(type, values)) == {int}
+
+
+def _checked_hashes(event: str, hashes: object) -> list[BlockHash]:
+    """Validate ``block_hashes``; returns the list to store (the caller's list if it is one)."""
+    if type(hashes) is not list:
+        if not isinstance(hashes, Sequence) or isinstance(hashes, str | bytes):
+            raise _fail_type(event, "block_hashes", hashes, "a list of block hashes")
+        hashes = list(hashes)
+    try:
+        # Fast path, in C: every hash a non-negative integer below 2**64.
+        array("Q", hashes)
+    except (TypeError, OverflowError):
+        for i, h in enumerate(hashes):
+            _check_hash(event, f"block_hashes[{i}]", h)
+    else:
+        # array() accepts anything with __index__ (bool, numpy ints): insist on int.
+        for i, h in enumerate(hashes):
+            if type(h) is not int:
+                raise _fail_type(event, f"block_hashes[{i}]", h, "an int or bytes")
+    return hashes
+
+
+def _checked_tokens(event: str, tokens: object) -> list[int]:
+    if type(tokens) is not list:
+        if not isinstance(tokens, Sequence) or isinstance(tokens, str | bytes):
+            raise _fail_type(event, "token_ids", tokens, "a list of int")
+        tokens = list(tokens)
+    if tokens:
+        try:
+            array("Q", tokens)  # in C: each a non-negative integer below 2**64
+        except (TypeError, OverflowError):
+            for i, t in enumerate(tokens):
+                if type(t) is not int:
+                    raise _fail_type(event, f"token_ids[{i}]", t, "an int") from None
+                if t < 0 or t >= _HASH_LIMIT:
+                    raise _fail_value(
+                        event, f"token_ids[{i}]", t, "a non-negative integer below 2**64"
+                    ) from None
+            raise  # pragma: no cover - array() and the loop agree
+        # bool and numpy integers pass array(); they are rare enough to check by
+        # their first and last element, and the codecs normalise any others.
+        if type(tokens[0]) is not int or type(tokens[-1]) is not int:
+            bad = tokens[0] if type(tokens[0]) is not int else tokens[-1]
+            raise _fail_type(event, "token_ids", bad, "a list of int")
+    return tokens
+
+
+def _opt_int(event: str, field: str, value: object, *, minimum: int | None = None) -> None:
+    if value is not None:
+        if type(value) is not int:
+            raise _fail_type(event, field, value, "an int or None")
+        if minimum is not None and value < minimum:
+            raise _fail_value(event, field, value, f"an integer >= {minimum} or None")
+
+
+def _opt_str(event: str, field: str, value: object) -> None:
+    if value is not None and type(value) is not str:
+        raise _fail_type(event, field, value, "a str or None")
+
+
+def _json_safe(event: str, where: str, value: object, depth: int) -> Any:
+    """Return ``value`` as plain JSON data (tuples become lists), or raise."""
+    t = type(value)
+    if value is None or t is str or t is bool:
+        return value
+    if t is int:
+        if not _HASH_MIN <= value < _HASH_LIMIT:  # type: ignore[operator]
+            raise _fail_value(event, where, value, "an integer in [-2**63, 2**64)")
+        return value
+    if t is float:
+        if not math.isfinite(value):  # type: ignore[arg-type]
+            raise _fail_value(event, where, value, "a finite number (no NaN or infinity)")
+        return value
+    if depth >= _MAX_DEPTH:
+        raise _fail_value(event, where, "...", f"nesting at most {_MAX_DEPTH} deep")
+    if t is list or t is tuple:
+        items: list[Any] = value  # type: ignore[assignment]
+        return [_json_safe(event, f"{where}[{i}]", v, depth + 1) for i, v in enumerate(items)]
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            if type(k) is not str:
+                raise _fail_type(event, f"{where} key", k, "str keys")
+            out[k] = _json_safe(event, f"{where}.{k}", v, depth + 1)
+        return out
+    raise _fail_type(event, where, value, "JSON data (None, bool, int, float, str, list, dict)")
+
+
+def validate_metadata(metadata: object, event: str = "event") -> dict[str, Any] | None:
+    """Check that ``metadata`` is JSON-safe and return it as a plain dict.
+
+    Keys must be ``str``; values None, bool, int (in ``[-2**63, 2**64)``), finite
+    float, str, list/tuple or str-keyed mapping, nested at most 32 deep. Tuples
+    become lists, so an event equals itself after a round trip.
+    """
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping):
+        raise _fail_type(event, "metadata", metadata, "a str-keyed mapping or None")
+    return _json_safe(event, "metadata", metadata, 0)  # type: ignore[no-any-return]
+
+
+def _extra_value(event: str, where: str, value: object, depth: int) -> Any:
+    t = type(value)
+    if value is None or t is str or t is int or t is bytes or t is bool:
+        return value
+    if t is float:
+        if not math.isfinite(value):  # type: ignore[arg-type]
+            raise _fail_value(event, where, value, "a finite number")
+        return value
+    if (t is list or t is tuple) and depth < _MAX_DEPTH:
+        items: list[Any] = value  # type: ignore[assignment]
+        return [_extra_value(event, f"{where}[{i}]", v, depth + 1) for i, v in enumerate(items)]
+    raise _fail_type(event, where, value, "None, str, int, float, bytes or a list of them")
+
+
+def _checked_extra_keys(event: str, extra: object, n_blocks: int) -> list[Any] | None:
+    if extra is None:
+        return None
+    if not isinstance(extra, list | tuple):
+        raise _fail_type(event, "extra_keys", extra, "a list (one entry per block) or None")
+    if len(extra) != n_blocks:
+        raise _fail_value(
+            event, "extra_keys", extra, f"one entry per block ({n_blocks}), got {len(extra)}"
+        )
+    out: list[Any] = []
+    for i, entry in enumerate(extra):
+        if entry is None:
+            out.append(None)
+        elif type(entry) is list or type(entry) is tuple:
+            out.append(_extra_value(event, f"extra_keys[{i}]", entry, 1))
+        else:
+            raise _fail_type(event, f"extra_keys[{i}]", entry, "a list or None")
+    return out
+
+
+class KVCacheEvent(msgspec.Struct, kw_only=True, frozen=True, gc=False, tag_field="type", tag=True):
+    """Base of the three KV cache events. Every event also has ``metadata``."""
+
+    #: The tiers an event is about; ``None`` means every tier (AllBlocksCleared).
+    type_name: ClassVar[str]
+
+
+class BlockStored(KVCacheEvent, kw_only=True, frozen=True, gc=False):
+    """Blocks entered a tier (``medium``), chained on ``parent_block_hash``.
+
+    ``token_ids`` holds ``block_size`` tokens per block, or is empty with
+    ``block_size == 0`` (vLLM's placeholder form, used by offloading connectors).
+    """
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[list[Any] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    metadata: dict[str, Any] | None = None
+
+    type_name: ClassVar[str] = "BlockStored"
+
+    def __post_init__(self) -> None:
+        # The hot path of every engine step: bulk checks in C, the rest inline.
+        name = "BlockStored"
+        hashes = self.block_hashes
+        if type(hashes) is list and hashes:
+            try:
+                array("Q", hashes)  # type: ignore[type-var]
+            except (TypeError, OverflowError):
+                hashes = _checked_hashes(name, hashes)
+            else:
+                if not _all_int(hashes):
+                    hashes = _checked_hashes(name, hashes)
+        else:
+            hashes = _checked_hashes(name, hashes)
+            force_setattr(self, "block_hashes", hashes)
+        tokens = self.token_ids
+        if type(tokens) is not list:
+            tokens = _checked_tokens(name, tokens)
+            force_setattr(self, "token_ids", tokens)
+        elif tokens:
+            _checked_tokens(name, tokens)
+        size = self.block_size
+        if type(size) is not int:
+            raise _fail_type(name, "block_size", size, "an int >= 0")
+        if size < 0:
+            raise _fail_value(name, "block_size", size, "an int >= 0")
+        if len(tokens) != size * len(hashes) and (tokens or size):
+            raise InvalidEventError(
+                f"{name}.token_ids: expected block_size * len(block_hashes) = "
+                f"{size} * {len(hashes)} = {size * len(hashes)} tokens "
+                f"(or none, with block_size 0), got {len(tokens)}"
+            )
+        parent = self.parent_block_hash
+        if parent is not None and (
+            type(parent) is not int or not _HASH_MIN <= parent < _HASH_LIMIT
+        ):
+            _check_hash(name, "parent_block_hash", parent)
+        medium = self.medium
+        if medium is not None and type(medium) is not str:
+            raise _fail_type(name, "medium", medium, "a str or None")
+        if self.lora_id is not None or self.lora_name is not None:
+            _opt_int(name, "lora_id", self.lora_id)
+            _opt_str(name, "lora_name", self.lora_name)
+        if (
+            self.extra_keys is not None
+            or self.group_idx is not None
+            or self.kv_cache_spec_kind is not None
+            or self.kv_cache_spec_sliding_window is not None
+            or self.locality is not None
+        ):
+            if self.extra_keys is not None:
+                force_setattr(
+                    self, "extra_keys", _checked_extra_keys(name, self.extra_keys, len(hashes))
+                )
+            _opt_int(name, "group_idx", self.group_idx, minimum=0)
+            _opt_str(name, "kv_cache_spec_kind", self.kv_cache_spec_kind)
+            _opt_int(name, "kv_cache_spec_sliding_window", self.kv_cache_spec_sliding_window)
+            _opt_str(name, "locality", self.locality)
+        if self.metadata is not None:
+            force_setattr(self, "metadata", validate_metadata(self.metadata, name))
+
+
+class BlockRemoved(KVCacheEvent, kw_only=True, frozen=True, gc=False):
+    """Blocks left a tier (``medium``)."""
+
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    metadata: dict[str, Any] | None = None
+
+    type_name: ClassVar[str] = "BlockRemoved"
+
+    def __post_init__(self) -> None:
+        name = "BlockRemoved"
+        hashes = _checked_hashes(name, self.block_hashes)
+        if hashes is not self.block_hashes:
+            force_setattr(self, "block_hashes", hashes)
+        _opt_str(name, "medium", self.medium)
+        _opt_int(name, "group_idx", self.group_idx, minimum=0)
+        _opt_str(name, "locality", self.locality)
+        if self.metadata is not None:
+            force_setattr(self, "metadata", validate_metadata(self.metadata, self.type_name))
+
+
+class AllBlocksCleared(KVCacheEvent, kw_only=True, frozen=True, gc=False):
+    """The engine's cache was reset. vLLM gives it no tier: consumers clear every tier."""
+
+    metadata: dict[str, Any] | None = None
+
+    type_name: ClassVar[str] = "AllBlocksCleared"
+
+    def __post_init__(self) -> None:
+        if self.metadata is not None:
+            force_setattr(self, "metadata", validate_metadata(self.metadata, self.type_name))
+
+
+#: Every concrete event type, by its wire tag.
+EVENT_TYPES: Final[dict[str, type[BlockStored | BlockRemoved | AllBlocksCleared]]] = {
+    "BlockStored": BlockStored,
+    "BlockRemoved": BlockRemoved,
+    "AllBlocksCleared": AllBlocksCleared,
+}
+
+AnyEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventBatch:
+    """The events of one origin sealed by one tick.
+
+    ``(origin, epoch, seq)`` names a batch for ever: ``seq`` counts batches from 0
+    within an epoch, and a new ``epoch`` (drawn when a scheduler starts) tells
+    consumers that the producer restarted.
+    """
+
+    __slots__ = ("_encoded", "data_parallel_rank", "epoch", "events", "origin", "seq", "ts")
+
+    seq: int
+    ts: float
+    events: list[KVCacheEvent]
+    data_parallel_rank: int | None
+    origin: str
+    epoch: str
+
+    def __init__(
+        self,
+        *,
+        seq: int,
+        ts: float,
+        events: list[KVCacheEvent],
+        data_parallel_rank: int | None = None,
+        origin: str = "",
+        epoch: str = "",
+    ) -> None:
+        if type(seq) is not int or seq < 0:
+            raise InvalidEventError(f"EventBatch.seq: expected an int >= 0, got {seq!r}")
+        if type(ts) is not float:
+            if type(ts) is int:
+                ts = float(ts)
+            else:
+                raise InvalidEventTypeError(
+                    f"EventBatch.ts: expected a float (wall-clock seconds), got {ts!r}"
+                )
+        if type(events) is not list:
+            if not isinstance(events, Sequence):
+                raise InvalidEventTypeError(
+                    f"EventBatch.events: expected a list of events, got {type(events).__name__}"
+                )
+            events = list(events)
+        if data_parallel_rank is not None and type(data_parallel_rank) is not int:
+            raise InvalidEventTypeError(
+                "EventBatch.data_parallel_rank: expected an int or None, "
+                f"got {data_parallel_rank!r}"
+            )
+        if type(origin) is not str:
+            raise InvalidEventTypeError(f"EventBatch.origin: expected a str, got {origin!r}")
+        if type(epoch) is not str:
+            raise InvalidEventTypeError(f"EventBatch.epoch: expected a str, got {epoch!r}")
+        self.seq = seq
+        self.ts = ts
+        self.events = events
+        self.data_parallel_rank = data_parallel_rank
+        self.origin = origin
+        self.epoch = epoch
+        self._encoded: dict[object, bytes] | None = None
+
+    @classmethod
+    def _trusted(
+        cls,
+        seq: int,
+        ts: float,
+        events: list[KVCacheEvent],
+        data_parallel_rank: int | None,
+        origin: str,
+        epoch: str,
+    ) -> EventBatch:
+        """Build without checks: for the scheduler, whose inputs are already valid."""
+        self = cls.__new__(cls)
+        self.seq = seq
+        self.ts = ts
+        self.events = events
+        self.data_parallel_rank = data_parallel_rank
+        self.origin = origin
+        self.epoch = epoch
+        self._encoded = None
+        return self
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        """``(origin, epoch, seq)``: the batch's name for ever."""
+        return (self.origin, self.epoch, self.seq)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EventBatch):
+            return NotImplemented
+        return (
+            self.seq == other.seq
+            and self.ts == other.ts
+            and self.origin == other.origin
+            and self.epoch == other.epoch
+            and self.data_parallel_rank == other.data_parallel_rank
+            and self.events == other.events
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def __repr__(self) -> str:
+        return (
+            f"EventBatch(origin={self.origin!r}, epoch={self.epoch!r}, seq={self.seq}, "
+            f"ts={self.ts!r}, data_parallel_rank={self.data_parallel_rank!r}, "
+            f"events=<{len(self.events)} events>)"
+        )

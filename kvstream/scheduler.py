@@ -1,0 +1,553 @@
+"""The scheduler: inputs in, one numbered batch per origin per tick, out to the sinks.
+
+``tick()`` is on the host's hot path. It drains the synchronous inputs (the
+host's ``emit`` buffer first, then the polled connectors and async sources of
+each origin in the order they were added), swaps buffers, seals one
+:class:`~kvstream.events.EventBatch` per origin with pending events, and offers
+each batch to every sink's outbox. It encodes nothing, does no I/O, and awaits
+only when a sink whose policy is ``block`` is full.
+
+Everything with a lifetime runs in the scheduler's task group: the aiostream
+merge driving the async sources, one lifetime task per sink, the ticker.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import socket
+import time
+from collections import deque
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
+from types import TracebackType
+from typing import Any, NamedTuple, Self
+
+import anyio
+from anyio.abc import TaskGroup, TaskStatus
+
+from kvstream.errors import ClosedError, ConfigError, InvalidEventTypeError
+from kvstream.events import EventBatch, KVCacheEvent
+from kvstream.sinks.base import DeliveryReport, Sink, SinkStatistics
+from kvstream.sources.base import (
+    AsyncSource,
+    PolledConnector,
+    SourceHandle,
+    SourceStatistics,
+    check_events,
+)
+from kvstream.sources.merge import SourceMerger
+from kvstream.threadsafe import ThreadsafeHandle
+
+__all__ = ["CloseReport", "Scheduler", "SchedulerStatistics", "every"]
+
+log = logging.getLogger("kvstream.scheduler")
+
+
+async def every(interval: float) -> AsyncIterator[None]:
+    """A ticker: yields every ``interval`` seconds, without drift."""
+    if not interval > 0:
+        raise ConfigError(f"tick interval: expected seconds > 0, got {interval!r}")
+    deadline = anyio.current_time()
+    while True:
+        deadline += interval
+        now = anyio.current_time()
+        if deadline < now:  # fell behind: skip missed ticks rather than burst
+            deadline = now
+        await anyio.sleep(deadline - now)
+        yield
+
+
+class SchedulerStatistics(NamedTuple):
+    origin: str
+    epoch: str
+    ticks: int
+    batches_sealed: int
+    events_sealed: int
+    #: Events handed over with emit() or yielded by sources, by origin.
+    events_accepted: int
+    pending_events: int
+    sources: tuple[SourceStatistics, ...]
+    sinks: tuple[SinkStatistics, ...]
+    #: The next sequence number of each origin.
+    next_seq: dict[str, int]
+
+
+class CloseReport(NamedTuple):
+    """What ``aclose`` could not deliver, per sink."""
+
+    sinks: tuple[DeliveryReport, ...]
+    failed_sources: tuple[str, ...]
+
+    @property
+    def complete(self) -> bool:
+        return all(r.complete for r in self.sinks)
+
+    @property
+    def undelivered_batches(self) -> int:
+        return sum(r.undelivered_batches for r in self.sinks)
+
+
+class _Origin:
+    __slots__ = ("data_parallel_rank", "emitted", "emitted_count", "inputs", "name", "next_seq")
+
+    def __init__(self, name: str, data_parallel_rank: int | None) -> None:
+        self.name = name
+        self.data_parallel_rank = data_parallel_rank
+        self.next_seq = 0
+        self.emitted: list[KVCacheEvent] = []
+        self.emitted_count = 0
+        self.inputs: list[SourceHandle] = []
+
+
+class Scheduler:
+    """Merges an engine's event inputs into numbered batches and feeds the sinks.
+
+    ::
+
+        async with Scheduler(sinks=[FileSink("events.jsonl")]) as s:
+            s.add_source(offload_connector_events())
+            s.emit(BlockStored(...))        # from the engine's step, no await
+            batch = await s.tick()          # one batch per step
+
+    ``origin`` names the engine (default: the host name) and ``epoch`` is drawn
+    at random unless given, so ``(origin, epoch, seq)`` names every batch for
+    ever. Pass ``tick_interval`` (seconds) or any async iterable as ``ticker``
+    for hosts without a step loop; ``clock`` gives batch timestamps.
+    """
+
+    def __init__(
+        self,
+        *,
+        sinks: Iterable[Sink] = (),
+        origin: str | None = None,
+        data_parallel_rank: int | None = None,
+        epoch: str | None = None,
+        tick_interval: float | None = None,
+        ticker: AsyncIterable[Any] | None = None,
+        clock: Callable[[], float] = time.time,
+        max_pending_events: int = 65_536,
+        close_timeout: float = 5.0,
+    ) -> None:
+        if tick_interval is not None and ticker is not None:
+            raise ConfigError("Scheduler: give tick_interval or ticker, not both")
+        if origin is not None and (type(origin) is not str or not origin):
+            raise ConfigError(f"Scheduler.origin: expected a non-empty str, got {origin!r}")
+        if data_parallel_rank is not None and (
+            type(data_parallel_rank) is not int or data_parallel_rank < 0
+        ):
+            raise ConfigError(
+                f"Scheduler.data_parallel_rank: expected an int >= 0 or None, "
+                f"got {data_parallel_rank!r}"
+            )
+        if type(max_pending_events) is not int or max_pending_events <= 0:
+            raise ConfigError(
+                f"Scheduler.max_pending_events: expected a positive int, got {max_pending_events!r}"
+            )
+        self.origin: str = origin or socket.gethostname()
+        self.epoch: str = epoch if epoch is not None else secrets.token_hex(8)
+        self.data_parallel_rank = data_parallel_rank
+        self._clock = clock
+        self._ticker: AsyncIterable[Any] | None = (
+            every(tick_interval) if tick_interval is not None else ticker
+        )
+        self._max_pending = max_pending_events
+        self.close_timeout = close_timeout
+        self._sinks: list[Sink] = []
+        self._own = _Origin(self.origin, data_parallel_rank)
+        self._origins: dict[str, _Origin] = {self.origin: self._own}
+        self._handles: list[SourceHandle] = []
+        self._merger = SourceMerger()
+        self._tg: TaskGroup | None = None
+        self._entered = False
+        self._closed = False
+        self._close_report: CloseReport | None = None
+        self._closing = anyio.Event()
+        self._drain_deadline = math.inf
+        self._sinks_done: list[anyio.Event] = []
+        # Dispatch: batches whose offer to some block sink is still pending.
+        self._backlog: deque[list[Any]] = deque()  # [batch, next sink index, ticket]
+        self._dispatching = False
+        self._tickets = 0
+        self._dispatched = 0
+        self._progress = anyio.Event()
+        # counters
+        self._ticks = 0
+        self._batches_sealed = 0
+        self._events_sealed = 0
+        self._failed: list[str] = []
+        self._forgotten_accepted = 0
+        for sink in sinks:
+            self._register_sink(sink)
+
+    # -- lifetime -----------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        if self._entered:
+            raise ClosedError("a Scheduler can be entered only once")
+        self._entered = True
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        try:
+            tg.start_soon(self._run_merger, name="kvstream source merge")
+            for sink in self._sinks:
+                await tg.start(self._sink_lifetime, sink, name=f"kvstream sink {sink.name}")
+            if self._ticker is not None:
+                tg.start_soon(self._run_ticker, name="kvstream ticker")
+        except BaseException as exc:
+            self._closed = True
+            self._merger.close()
+            for h in self._handles:
+                h.cancel()
+            self._closing.set()
+            tg.cancel_scope.cancel()
+            self._tg = None
+            await tg.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        try:
+            with anyio.CancelScope(shield=True):
+                await self.aclose()
+        finally:
+            tg, self._tg = self._tg, None
+            if tg is not None:
+                tg.cancel_scope.cancel()
+                await tg.__aexit__(None, None, None)
+        return None
+
+    async def aclose(self, timeout: float | None = None) -> CloseReport:
+        """Seal what is pending, deliver it to every healthy sink, close everything.
+
+        Sources are stopped (what they yielded stays accepted), a last tick seals
+        every pending event, and each sink gets until the deadline (``timeout``
+        seconds, default :attr:`close_timeout`) to deliver its outbox. Returns,
+        and logs, what could not be delivered. Idempotent.
+        """
+        if self._close_report is not None:
+            return self._close_report
+        if self._closed:  # a concurrent aclose() is running: wait for it
+            await self._closing.wait()
+            for done in self._sinks_done:
+                await done.wait()
+            return self._close_report or CloseReport((), tuple(self._failed))
+        self._closed = True
+        limit = self.close_timeout if timeout is None else timeout
+        deadline = anyio.current_time() + limit
+        self._merger.close()
+        for h in self._handles:
+            h.cancel()
+        # A last tick: everything accepted so far becomes a batch.
+        with anyio.move_on_after(max(deadline - anyio.current_time(), 0)):
+            await self._tick()
+        self._drain_deadline = deadline
+        self._closing.set()
+        if self._tg is None:  # never started: sinks were not opened
+            reports = [await s.drain(0) for s in self._sinks]
+        else:
+            for done in self._sinks_done:
+                await done.wait()
+            reports = [s._drain_report or await s.drain(0) for s in self._sinks]
+        report = CloseReport(tuple(reports), tuple(self._failed))
+        self._close_report = report
+        if self._tg is not None:
+            self._tg.cancel_scope.cancel()
+        return report
+
+    async def _sink_lifetime(self, sink: Sink, *, task_status: TaskStatus[None]) -> None:
+        done = anyio.Event()
+        self._sinks_done.append(done)
+        try:
+            async with sink:
+                task_status.started()
+                await self._closing.wait()
+                remaining = max(self._drain_deadline - anyio.current_time(), 0.0)
+                await sink.drain(remaining)
+        finally:
+            done.set()
+
+    async def _run_merger(self) -> None:
+        await self._merger.run(self._source_ended)
+
+    def _source_ended(self, handle: SourceHandle) -> None:
+        if handle.error is not None:
+            self._failed.append(handle.name)
+
+    async def _run_ticker(self) -> None:
+        assert self._ticker is not None
+        iterator = aiter(self._ticker)
+        try:
+            async for _ in iterator:
+                if self._closed:
+                    break
+                await self._tick()
+        finally:
+            aclose = getattr(iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+    # -- inputs -------------------------------------------------------------------
+
+    def _origin(self, origin: str | None, data_parallel_rank: int | None = None) -> _Origin:
+        if origin is None:
+            return self._own
+        state = self._origins.get(origin)
+        if state is None:
+            if type(origin) is not str or not origin:
+                raise ConfigError(f"origin: expected a non-empty str, got {origin!r}")
+            state = self._origins[origin] = _Origin(origin, data_parallel_rank)
+        return state
+
+    def add_source(
+        self,
+        source: AsyncSource | PolledConnector,
+        *,
+        name: str | None = None,
+        origin: str | None = None,
+        data_parallel_rank: int | None = None,
+    ) -> SourceHandle:
+        """Add an input; works before and while running.
+
+        ``source`` is an async iterable of events or chunks of events, or a
+        connector adapted with :func:`~kvstream.sources.from_take_events` (an
+        object with ``take_events()`` is adapted for you). ``origin`` names
+        another engine whose events this input carries (a relay); by default the
+        input is one of this engine's connectors.
+        """
+        if self._closed:
+            raise ClosedError("add_source: the scheduler is closed")
+        candidate: object = source
+        if not isinstance(candidate, PolledConnector | AsyncIterable):
+            if not callable(getattr(candidate, "take_events", None)):
+                raise InvalidEventTypeError(
+                    "add_source: expected an async iterable of events, or an object "
+                    f"with take_events(), got {type(candidate).__name__}"
+                )
+            source = PolledConnector(candidate)  # type: ignore[arg-type]
+        state = self._origin(origin, data_parallel_rank)
+        n = len(self._handles)
+        if name is None:
+            name = getattr(source, "name", None) or getattr(source, "__name__", None)
+            name = f"{name or type(source).__name__}#{n}"
+        handle = SourceHandle(source, name=name, origin=state.name, max_pending=self._max_pending)
+        self._handles.append(handle)
+        state.inputs.append(handle)
+        if not handle.polled:
+            self._merger.add(handle)
+        return handle
+
+    def remove_source(self, handle: SourceHandle) -> None:
+        """Stop an input. Events it already yielded stay accepted for the next tick."""
+        if handle not in self._handles:
+            raise ConfigError(f"remove_source: {handle!r} is not a source of this scheduler")
+        handle.cancel()
+
+    def emit(
+        self, events: KVCacheEvent | Sequence[KVCacheEvent], *, origin: str | None = None
+    ) -> None:
+        """Accept events from the host's own task (the cache manager's stream).
+
+        No await: the events are in the next tick's batch, ahead of every
+        connector's events of that tick.
+        """
+        if self._closed:
+            raise ClosedError("emit: the scheduler is closed")
+        state = self._own if origin is None else self._origin(origin)
+        if isinstance(events, KVCacheEvent):
+            state.emitted.append(events)
+            state.emitted_count += 1
+        else:
+            checked = check_events(events, "emit")
+            state.emitted.extend(checked)
+            state.emitted_count += len(checked)
+
+    async def add_sink(self, sink: Sink) -> None:
+        """Add a sink; while running, it is opened now and gets every later batch."""
+        if self._closed:
+            raise ClosedError("add_sink: the scheduler is closed")
+        self._register_sink(sink)
+        if self._tg is not None:
+            try:
+                await self._tg.start(self._sink_lifetime, sink, name=f"kvstream sink {sink.name}")
+            except BaseException:
+                self._sinks.remove(sink)
+                raise
+
+    def _register_sink(self, sink: Sink) -> None:
+        if not isinstance(sink, Sink):
+            raise InvalidEventTypeError(f"sinks: expected a Sink, got {type(sink).__name__}")
+        if sink in self._sinks:
+            raise ConfigError(f"sink {sink.name!r} was added twice")
+        # Share encodings between sinks whose codecs are equal.
+        for other in self._sinks:
+            if other.codec is not None and other.codec == sink.codec:
+                other.share_encoding = sink.share_encoding = True
+        self._sinks.append(sink)
+
+    @property
+    def sinks(self) -> tuple[Sink, ...]:
+        return tuple(self._sinks)
+
+    @property
+    def sources(self) -> tuple[SourceHandle, ...]:
+        return tuple(self._handles)
+
+    # -- the tick -----------------------------------------------------------------
+
+    async def tick(self) -> EventBatch | None:
+        """Seal one batch per origin with pending events and hand them to the sinks.
+
+        Returns this engine's own batch, or None when it had nothing pending (no
+        sequence number is used then).
+        """
+        if self._closed:
+            raise ClosedError("tick: the scheduler is closed")
+        return await self._tick()
+
+    async def _tick(self) -> EventBatch | None:
+        self._ticks += 1
+        batches = self._seal()
+        if not batches:
+            return None
+        await self._dispatch(batches)
+        own = batches[0]
+        return own if own.origin == self.origin else None
+
+    def _seal(self) -> list[EventBatch]:
+        """Swap every input's buffer into one batch per origin. No awaits."""
+        batches: list[EventBatch] = []
+        ts = self._clock()
+        epoch = self.epoch
+        for state in self._origins.values():
+            events = state.emitted
+            if events:
+                state.emitted = []
+            for handle in state.inputs:
+                if handle.polled or handle.buffer:
+                    taken = handle.take()
+                    if taken:
+                        if events:
+                            events.extend(taken)
+                        else:
+                            events = taken
+            if events:
+                seq = state.next_seq
+                state.next_seq = seq + 1
+                batches.append(
+                    EventBatch._trusted(
+                        seq, ts, events, state.data_parallel_rank, state.name, epoch
+                    )
+                )
+                self._events_sealed += len(events)
+        self._batches_sealed += len(batches)
+        if len(self._handles) > 64:
+            self._forget_finished()
+        return batches
+
+    def _forget_finished(self) -> None:
+        ended = [h for h in self._handles if not h.running and not h.buffer and not h.polled]
+        if ended:
+            for h in ended:
+                self._forgotten_accepted += h.accepted
+                self._handles.remove(h)
+                self._origins[h.origin].inputs.remove(h)
+
+    async def _dispatch(self, batches: list[EventBatch]) -> None:
+        sinks = self._sinks
+        if not self._backlog and not self._dispatching:
+            # Fast path: every outbox has room (or a drop policy); no await.
+            for n, batch in enumerate(batches):
+                for i, sink in enumerate(sinks):
+                    if sink.closed:  # closed by its owner: it takes nothing more
+                        continue
+                    if not sink.offer(batch):
+                        self._enqueue(batches[n:], i)
+                        await self._wait_dispatched(self._tickets)
+                        return
+            return
+        self._enqueue(batches, 0)
+        await self._wait_dispatched(self._tickets)
+
+    def _enqueue(self, batches: list[EventBatch], first_sink: int) -> None:
+        for k, batch in enumerate(batches):
+            self._tickets += 1
+            self._backlog.append([batch, first_sink if k == 0 else 0, self._tickets])
+
+    async def _wait_dispatched(self, ticket: int) -> None:
+        """Return once every batch up to ``ticket`` reached every sink, in order.
+
+        One caller at a time works through the backlog (a full ``block`` sink is
+        the only thing it waits for); the others wait for its progress. If the
+        worker is cancelled, its place in the backlog is kept and the next caller
+        takes over, so no sink gets a batch twice or out of order.
+        """
+        while self._dispatched < ticket:
+            if self._dispatching:
+                progress = self._progress
+                await progress.wait()
+                continue
+            self._dispatching = True
+            try:
+                backlog = self._backlog
+                sinks = self._sinks
+                while backlog and self._dispatched < ticket:
+                    entry = backlog[0]
+                    batch: EventBatch = entry[0]
+                    i = entry[1]
+                    while i < len(sinks):
+                        sink = sinks[i]
+                        if sink.closed:
+                            i += 1
+                            continue
+                        if not sink.offer(batch):
+                            entry[1] = i
+                            await sink.put(batch)
+                        i += 1
+                        entry[1] = i
+                    backlog.popleft()
+                    self._dispatched = entry[2]
+            finally:
+                self._dispatching = False
+                progress, self._progress = self._progress, anyio.Event()
+                progress.set()
+        if not self._backlog:
+            self._dispatched = self._tickets
+
+    # -- introspection ------------------------------------------------------------
+
+    def statistics(self) -> SchedulerStatistics:
+        pending = sum(len(o.emitted) for o in self._origins.values()) + sum(
+            len(h.buffer) for h in self._handles
+        )
+        accepted = (
+            sum(o.emitted_count for o in self._origins.values())
+            + sum(h.accepted for h in self._handles)
+            + self._forgotten_accepted
+        )
+        return SchedulerStatistics(
+            origin=self.origin,
+            epoch=self.epoch,
+            ticks=self._ticks,
+            batches_sealed=self._batches_sealed,
+            events_sealed=self._events_sealed,
+            events_accepted=accepted,
+            pending_events=pending,
+            sources=tuple(h.statistics() for h in self._handles),
+            sinks=tuple(s.statistics() for s in self._sinks),
+            next_seq={name: o.next_seq for name, o in self._origins.items()},
+        )
+
+    def threadsafe(self) -> ThreadsafeHandle:
+        """A handle other threads use to ``emit`` and ``tick``; call it on the loop."""
+        return ThreadsafeHandle(self)
+
+    def __repr__(self) -> str:
+        return f"<Scheduler origin={self.origin!r} epoch={self.epoch!r}>"

@@ -1,0 +1,501 @@
+"""The sink contract and the machinery every sink shares.
+
+A sink author writes one coroutine, :meth:`Sink.send`, that writes one encoded
+batch to the transport, plus :meth:`Sink.open` / :meth:`Sink.aclose` when the
+transport has a lifetime. Everything else lives here:
+
+* the **outbox**: bounded in batches and in bytes, filled by :meth:`Sink.offer`
+  (synchronous, called from the scheduler's tick) and emptied by the writer task;
+* the **overflow policy** when the outbox is full: ``block`` (the tick waits:
+  backpressure), ``drop_oldest`` or ``drop_newest`` (the tick never waits; every
+  dropped batch and event is counted, and since sinks never renumber, a drop is a
+  visible gap in ``seq`` downstream);
+* **encoding**, in the writer task, never on the tick: once per codec per batch,
+  shared by every sink of the scheduler that uses an equal codec;
+* **faults**: a failing ``send`` is retried with exponential backoff (after
+  :meth:`Sink.recover`), logged once per burst, and never slows the other sinks;
+* **shutdown**: :meth:`Sink.drain` delivers what is queued within a deadline and
+  reports what it could not; :meth:`Sink.aclose` is idempotent;
+* :meth:`Sink.statistics`, an immutable record.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Final, Literal, NamedTuple, Self, TypeAlias, get_args
+
+import anyio
+from anyio.abc import TaskGroup
+
+from kvstream.codecs.base import Codec
+from kvstream.codecs.json import JsonCodec
+from kvstream.errors import ClosedError, ConfigError
+from kvstream.events import EventBatch
+
+__all__ = [
+    "DEFAULT_MAX_BATCHES",
+    "DEFAULT_MAX_BYTES",
+    "DeliveryReport",
+    "OverflowPolicy",
+    "Sink",
+    "SinkStatistics",
+]
+
+log = logging.getLogger("kvstream.sinks")
+
+OverflowPolicy: TypeAlias = Literal["block", "drop_oldest", "drop_newest"]
+POLICIES: Final[tuple[str, ...]] = get_args(OverflowPolicy)
+
+DEFAULT_MAX_BYTES: Final = 64 * 1024 * 1024
+DEFAULT_MAX_BATCHES: Final = 100_000
+#: What a batch is assumed to cost before the sink has encoded one.
+_INITIAL_BYTES_PER_EVENT: Final = 512.0
+_BATCH_OVERHEAD: Final = 128
+
+
+class SinkStatistics(NamedTuple):
+    """A snapshot of one sink's counters."""
+
+    name: str
+    policy: str
+    #: Batches handed to the sink (offered), including those later dropped.
+    batches_in: int
+    batches_out: int
+    events_out: int
+    bytes_out: int
+    batches_dropped: int
+    events_dropped: int
+    queued_batches: int
+    #: Bytes queued: exact for encoded batches, estimated from the codec's recent
+    #: bytes per event for batches not yet encoded.
+    queued_bytes: int
+    send_errors: int
+    #: False while ``send`` is failing and being retried.
+    healthy: bool
+    #: Batches still queued or in flight when the sink was closed.
+    undelivered_batches: int
+    undelivered_events: int
+
+
+class DeliveryReport(NamedTuple):
+    """What a sink could not deliver when it was drained."""
+
+    name: str
+    undelivered_batches: int
+    undelivered_events: int
+    #: The ``(origin, epoch, seq)`` of the first batch not delivered, if any.
+    first_undelivered: tuple[str, str, int] | None
+
+    @property
+    def complete(self) -> bool:
+        return self.undelivered_batches == 0
+
+
+class Sink(ABC):
+    """Base class of every sink. Subclasses implement :meth:`send`.
+
+    Use a sink as an async context manager (the scheduler does this for you): it
+    opens the transport, runs the writer task, and on exit drains and closes.
+    """
+
+    #: How many queued batches :meth:`send_many` may receive at once. Sinks that
+    #: can write several batches in one operation (a file) raise it.
+    max_coalesce: int = 1
+
+    def __init__(
+        self,
+        *,
+        codec: Codec | None = None,
+        policy: OverflowPolicy = "block",
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_batches: int = DEFAULT_MAX_BATCHES,
+        name: str | None = None,
+        close_timeout: float = 5.0,
+        retry_initial: float = 0.05,
+        retry_max: float = 5.0,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ConfigError(f"policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
+        if type(max_bytes) is not int or max_bytes <= 0:
+            raise ConfigError(f"max_bytes: expected a positive int, got {max_bytes!r}")
+        if type(max_batches) is not int or max_batches <= 0:
+            raise ConfigError(f"max_batches: expected a positive int, got {max_batches!r}")
+        if close_timeout < 0 or math.isnan(close_timeout):
+            raise ConfigError(f"close_timeout: expected seconds >= 0, got {close_timeout!r}")
+        self.codec: Codec | None = codec
+        self.policy: OverflowPolicy = policy
+        self.max_bytes = max_bytes
+        self.max_batches = max_batches
+        self.name = name or type(self).__name__
+        self.close_timeout = close_timeout
+        self._retry_initial = retry_initial
+        self._retry_max = retry_max
+        # Outbox: (batch, bytes it is accounted at). Encoded lazily by the writer.
+        self._outbox: deque[tuple[EventBatch, int]] = deque()
+        self._queued_bytes = 0
+        self._inflight: list[EventBatch] = []
+        self._bytes_per_event = _INITIAL_BYTES_PER_EVENT
+        #: Set by the scheduler when another of its sinks uses an equal codec.
+        self.share_encoding = False
+        self._writer_waiting: anyio.Event | None = None
+        self._space_waiters: list[anyio.Event] = []
+        self._tg: TaskGroup | None = None
+        self._entered = False
+        self._closing = False
+        self._closed = False
+        self._drain_report: DeliveryReport | None = None
+        self._writer_done = anyio.Event()
+        # counters
+        self._batches_in = 0
+        self._batches_out = 0
+        self._events_out = 0
+        self._bytes_out = 0
+        self._batches_dropped = 0
+        self._events_dropped = 0
+        self._send_errors = 0
+        self._healthy = True
+        self._burst_errors = 0
+        self._drop_burst = False
+
+    # -- what a sink author writes ------------------------------------------------
+
+    async def open(self) -> None:  # noqa: B027 - optional hook, empty on purpose
+        """Acquire the transport (connect, open a file, bind). Called on enter."""
+
+    @abstractmethod
+    async def send(self, data: bytes, batch: EventBatch) -> None:
+        """Write one encoded batch to the transport.
+
+        ``data`` is ``batch`` encoded by :attr:`codec` (``b""`` when the sink has no
+        codec and hands over objects). Raise to signal failure: the same batch is
+        retried after a backoff and :meth:`recover`.
+        """
+
+    async def send_many(self, items: Sequence[tuple[bytes, EventBatch]]) -> None:
+        """Write several batches at once (up to :attr:`max_coalesce`).
+
+        Overrides must write all of ``items`` or raise having written none of
+        them, so that a retry neither loses nor repeats a batch.
+        """
+        for data, batch in items:
+            await self.send(data, batch)
+
+    async def recover(self, exc: Exception) -> None:  # noqa: B027 - optional hook
+        """Called after ``send`` raised ``exc``, before the retry: reconnect here."""
+
+    async def aclose(self) -> None:
+        """Drain what is queued (within :attr:`close_timeout`), stop the writer.
+
+        Idempotent. Subclasses that hold a transport override it and call
+        ``await super().aclose()`` first, then release the transport (in a
+        ``finally``, so it is released even when draining fails).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._drain_report is None:
+                await self.drain(self.close_timeout)
+        finally:
+            if self._tg is not None:
+                self._tg.cancel_scope.cancel()
+
+    # -- lifetime ---------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        if self._entered:
+            raise ClosedError(f"{self.name}: a sink can be entered only once")
+        self._entered = True
+        await self.open()
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        tg.start_soon(self._writer, name=f"kvstream sink writer {self.name}")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        try:
+            with anyio.CancelScope(shield=True):
+                await self.aclose()
+        finally:
+            tg, self._tg = self._tg, None
+            if tg is not None:
+                tg.cancel_scope.cancel()
+                await tg.__aexit__(None, None, None)
+        return None
+
+    # -- the tick's side ----------------------------------------------------------
+
+    def offer(self, batch: EventBatch) -> bool:
+        """Queue ``batch`` without waiting.
+
+        Returns False only when the outbox is full and the policy is ``block``: the
+        caller then awaits :meth:`put`. With a ``drop_*`` policy it always returns
+        True (dropping and counting what the policy says).
+        """
+        if self._closing:
+            raise ClosedError(f"{self.name}: the sink is closed")
+        size = int(len(batch.events) * self._bytes_per_event) + _BATCH_OVERHEAD
+        outbox = self._outbox
+        if outbox and (
+            len(outbox) >= self.max_batches or self._queued_bytes + size > self.max_bytes
+        ):
+            policy = self.policy
+            if policy == "block":
+                return False
+            self._batches_in += 1
+            if policy == "drop_newest":
+                self._drop(batch)
+                return True
+            while outbox and (
+                len(outbox) >= self.max_batches or self._queued_bytes + size > self.max_bytes
+            ):
+                old, old_size = outbox.popleft()
+                self._queued_bytes -= old_size
+                self._drop(old)
+        else:
+            self._batches_in += 1
+        outbox.append((batch, size))
+        self._queued_bytes += size
+        waiting = self._writer_waiting
+        if waiting is not None:
+            self._writer_waiting = None
+            waiting.set()
+        return True
+
+    async def put(self, batch: EventBatch) -> None:
+        """Queue ``batch``, waiting for room when the policy is ``block``."""
+        while not self.offer(batch):
+            event = anyio.Event()
+            self._space_waiters.append(event)
+            await event.wait()
+
+    def _drop(self, batch: EventBatch) -> None:
+        self.discard(
+            batch,
+            f"outbox full ({len(self._outbox)} batches, {self._queued_bytes} bytes), "
+            f"policy {self.policy}",
+        )
+
+    def discard(self, batch: EventBatch, reason: str) -> None:
+        """Count ``batch`` as dropped (never silently): logged once per burst.
+
+        For sinks whose ``send`` finds a batch undeliverable for good (the
+        consumer went away); the writer then moves on to the next batch.
+        """
+        if not self._drop_burst:
+            self._drop_burst = True
+            log.warning(
+                "%s: dropping batches: %s (first: %s/%s seq %d)",
+                self.name,
+                reason,
+                batch.origin,
+                batch.epoch,
+                batch.seq,
+            )
+        self._batches_dropped += 1
+        self._events_dropped += len(batch.events)
+
+    # -- the writer ---------------------------------------------------------------
+
+    def _encode(self, batch: EventBatch) -> bytes:
+        codec = self.codec
+        if codec is None:
+            return b""
+        if self.share_encoding:
+            cache = batch._encoded
+            if cache is None:
+                cache = batch._encoded = {}
+            key: object = codec if _hashable(codec) else id(codec)
+            data = cache.get(key)
+            if data is None:
+                data = cache[key] = codec.encode(batch)
+        else:
+            data = codec.encode(batch)
+        n = len(batch.events)
+        if n:
+            self._bytes_per_event = 0.875 * self._bytes_per_event + 0.125 * (len(data) / n)
+        return data
+
+    def _take(self) -> list[tuple[bytes, EventBatch]]:
+        """Pop up to ``max_coalesce`` batches and encode them (dropping unencodable ones)."""
+        items: list[tuple[bytes, EventBatch]] = []
+        outbox = self._outbox
+        while outbox and len(items) < self.max_coalesce:
+            batch, size = outbox.popleft()
+            self._queued_bytes -= size
+            try:
+                data = self._encode(batch)
+            except Exception as exc:
+                # Deterministic: retrying cannot help. Count it as a drop, loudly.
+                log.error(
+                    "%s: cannot encode batch %s/%s seq %d (%s); dropped",
+                    self.name,
+                    batch.origin,
+                    batch.epoch,
+                    batch.seq,
+                    exc,
+                )
+                self._batches_dropped += 1
+                self._events_dropped += len(batch.events)
+                continue
+            items.append((data, batch))
+        if not outbox:
+            self._queued_bytes = 0
+            if self._drop_burst:
+                self._drop_burst = False
+                log.warning(
+                    "%s: outbox drained; %d batches (%d events) dropped so far",
+                    self.name,
+                    self._batches_dropped,
+                    self._events_dropped,
+                )
+        if self._space_waiters:
+            waiters, self._space_waiters = self._space_waiters, []
+            for w in waiters:
+                w.set()
+        return items
+
+    async def _writer(self) -> None:
+        try:
+            while True:
+                if not self._outbox:
+                    if self._closing:
+                        return
+                    event = self._writer_waiting = anyio.Event()
+                    await event.wait()
+                    continue
+                items = self._take()
+                if not items:
+                    continue
+                self._inflight = [b for _, b in items]
+                await self._deliver(items)
+                self._inflight = []
+        finally:
+            self._writer_done.set()
+
+    async def _deliver(self, items: list[tuple[bytes, EventBatch]]) -> None:
+        delay = self._retry_initial
+        while True:
+            try:
+                if len(items) == 1:
+                    await self.send(*items[0])
+                else:
+                    await self.send_many(items)
+            except Exception as exc:
+                self._send_errors += 1
+                if self._healthy:
+                    self._healthy = False
+                    self._burst_errors = 0
+                    log.warning(
+                        "%s: send failed (%s: %s); retrying with backoff",
+                        self.name,
+                        type(exc).__name__,
+                        exc,
+                    )
+                self._burst_errors += 1
+                await anyio.sleep(delay)
+                delay = min(delay * 2, self._retry_max)
+                try:
+                    await self.recover(exc)
+                except Exception as rexc:
+                    log.debug("%s: recover failed: %s", self.name, rexc)
+                continue
+            if not self._healthy:
+                self._healthy = True
+                log.warning(
+                    "%s: send recovered after %d failed attempts", self.name, self._burst_errors
+                )
+            for data, batch in items:
+                self._batches_out += 1
+                self._events_out += len(batch.events)
+                self._bytes_out += len(data)
+            return
+
+    # -- shutdown -----------------------------------------------------------------
+
+    async def drain(self, timeout: float | None) -> DeliveryReport:
+        """Stop accepting batches and deliver what is queued within ``timeout``.
+
+        Returns (and remembers) what could not be delivered. A sink that was never
+        started delivers nothing and reports everything queued.
+        """
+        if self._drain_report is not None:
+            return self._drain_report
+        self._closing = True
+        waiting = self._writer_waiting
+        if waiting is not None:
+            self._writer_waiting = None
+            waiting.set()
+        if self._tg is not None:
+            with anyio.move_on_after(timeout):
+                await self._writer_done.wait()
+            self._tg.cancel_scope.cancel()
+        pending = [b for b, _ in self._outbox]
+        if not self._writer_done.is_set():
+            pending = self._inflight + pending
+        n_events = sum(len(b.events) for b in pending)
+        report = DeliveryReport(
+            self.name, len(pending), n_events, pending[0].key if pending else None
+        )
+        if pending:
+            log.error(
+                "%s: %d batches (%d events) not delivered at close, first %s",
+                self.name,
+                len(pending),
+                n_events,
+                report.first_undelivered,
+            )
+        self._drain_report = report
+        # Wake anyone blocked in put(): the sink is closed now.
+        for w in self._space_waiters:
+            w.set()
+        self._space_waiters = []
+        return report
+
+    # -- introspection --------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closing
+
+    def statistics(self) -> SinkStatistics:
+        report = self._drain_report
+        return SinkStatistics(
+            name=self.name,
+            policy=self.policy,
+            batches_in=self._batches_in,
+            batches_out=self._batches_out,
+            events_out=self._events_out,
+            bytes_out=self._bytes_out,
+            batches_dropped=self._batches_dropped,
+            events_dropped=self._events_dropped,
+            queued_batches=len(self._outbox),
+            queued_bytes=max(self._queued_bytes, 0),
+            send_errors=self._send_errors,
+            healthy=self._healthy,
+            undelivered_batches=report.undelivered_batches if report else 0,
+            undelivered_events=report.undelivered_events if report else 0,
+        )
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} policy={self.policy}>"
+
+
+def _hashable(codec: object) -> bool:
+    return type(codec).__hash__ is not object.__hash__ and type(codec).__hash__ is not None
+
+
+#: Convenience for sinks whose default is kvstream's own JSON lines.
+def default_codec() -> Codec:
+    return JsonCodec()

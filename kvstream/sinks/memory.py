@@ -1,0 +1,69 @@
+"""In-process sinks: :class:`MemorySink` (the test double) and :class:`QueueSink`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from kvstream.events import EventBatch
+from kvstream.sinks.base import Sink
+
+__all__ = ["MemorySink", "QueueSink"]
+
+
+class MemorySink(Sink):
+    """Keeps every delivered batch, as objects, in :attr:`batches`.
+
+    The public test double: put one in a scheduler and assert on what arrived.
+    ``delay`` (seconds per batch) simulates a slow transport.
+    """
+
+    def __init__(self, *, delay: float = 0.0, **options: Any) -> None:
+        options.setdefault("codec", None)
+        super().__init__(**options)
+        self.batches: list[EventBatch] = []
+        self.delay = delay
+
+    async def send(self, data: bytes, batch: EventBatch) -> None:
+        if self.delay:
+            await anyio.sleep(self.delay)
+        self.batches.append(batch)
+
+    @property
+    def events(self) -> list[Any]:
+        """Every delivered event, in order."""
+        return [e for b in self.batches for e in b.events]
+
+
+class QueueSink(Sink):
+    """Hands batches, as objects, to an in-process consumer.
+
+    Iterate the sink (``async for batch in sink``) or read :attr:`receive_stream`.
+    The consumer's pace is the sink's pace: batches wait in the sink's bounded
+    outbox, under its policy, while the consumer is busy.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        options.setdefault("codec", None)
+        super().__init__(**options)
+        send, receive = anyio.create_memory_object_stream[EventBatch](0)
+        self._send_stream: MemoryObjectSendStream[EventBatch] = send
+        self.receive_stream: MemoryObjectReceiveStream[EventBatch] = receive
+
+    async def send(self, data: bytes, batch: EventBatch) -> None:
+        try:
+            await self._send_stream.send(batch)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            self.discard(batch, "the consumer closed its receive stream")
+
+    async def aclose(self) -> None:
+        try:
+            await super().aclose()
+        finally:
+            # The consumer sees the end of the stream once everything is delivered.
+            self._send_stream.close()
+
+    def __aiter__(self) -> MemoryObjectReceiveStream[EventBatch]:
+        return self.receive_stream

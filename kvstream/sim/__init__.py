@@ -1,0 +1,18 @@
+"""A simulated prefix-cache engine: the demo's and the benchmarks' workload."""
+
+from kvstream.sim.check import ConsistencyError, ConsistencyReport, check_consistency
+from kvstream.sim.engine import CpuOffloadConnector, RemoteStoreConnector, SimulatedEngine
+from kvstream.sim.tiers import block_hash
+from kvstream.sim.workload import Request, Workload
+
+__all__ = [
+    "ConsistencyError",
+    "ConsistencyReport",
+    "CpuOffloadConnector",
+    "RemoteStoreConnector",
+    "Request",
+    "SimulatedEngine",
+    "Workload",
+    "block_hash",
+    "check_consistency",
+]

@@ -1,0 +1,282 @@
+"""A small, real prefix-cache engine: the demo's and the benchmarks' workload.
+
+* The **GPU block pool** (the cache manager) chunks each prompt into blocks of
+  ``block_size`` tokens, chains their hashes (sha256, low 64 bits), reuses the
+  longest cached prefix, stores the new full blocks (``BlockStored``, medium
+  ``GPU``) and evicts least recently used leaves when full (``BlockRemoved``).
+  ``reset_every`` steps it is reset (``AllBlocksCleared``; every tier empties).
+* The **CPU offload connector** receives the blocks the GPU evicts and keeps
+  them (with the ancestors it lacks) in a larger CPU tier. It is written as an
+  async generator, the way a connector doing real copies would be.
+* The **remote store connector** writes every newly computed block through to
+  a remote store (medium ``EXTERNAL``); it is written vLLM-style, with
+  ``take_events()``, and polled by the scheduler once per tick.
+
+Feed a scheduler with :meth:`SimulatedEngine.attach` and :meth:`astep`, or take
+each step's events synchronously with :meth:`step_events` (for pre-generating
+benchmark input).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING
+
+import anyio
+
+from kvstream.errors import ConfigError
+from kvstream.events import AllBlocksCleared, BlockRemoved, KVCacheEvent
+from kvstream.sim.tiers import BlockInfo, Registry, Tier, block_hash
+from kvstream.sim.workload import Request, Workload
+from kvstream.sources.base import from_take_events
+
+if TYPE_CHECKING:
+    from kvstream.scheduler import Scheduler
+
+__all__ = ["CpuOffloadConnector", "RemoteStoreConnector", "SimulatedEngine"]
+
+
+class RemoteStoreConnector:
+    """Write-through to a remote KV store, vLLM-style: events via ``take_events()``."""
+
+    def __init__(self, tier: Tier) -> None:
+        self.tier = tier
+        self._pending: list[KVCacheEvent] = []
+
+    def on_computed(self, last: BlockInfo) -> None:
+        """Called by the engine with the last block of a request it computed."""
+        chain = self.tier.chain_to(last.hash)
+        if chain:
+            self._pending.extend(self.tier.store_chain(chain))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self._pending = self._pending, []
+        return events
+
+
+class CpuOffloadConnector:
+    """Keeps what the GPU evicts in a CPU tier; its events come from an async generator."""
+
+    def __init__(self, tier: Tier) -> None:
+        self.tier = tier
+        self._send, self._receive = anyio.create_memory_object_stream[list[BlockInfo]](math.inf)
+        self._sent = 0
+        self._done = 0
+        self._idle = anyio.Event()
+        self._idle.set()
+
+    def offload(self, blocks: list[BlockInfo]) -> None:
+        """Queue blocks the GPU evicted (called by the engine, no await)."""
+        if blocks:
+            self._sent += 1
+            self._idle = anyio.Event()
+            self._send.send_nowait(blocks)
+
+    def process(self, blocks: list[BlockInfo]) -> list[KVCacheEvent]:
+        """Store evicted blocks (and the ancestors the CPU tier lacks)."""
+        events: list[KVCacheEvent] = []
+        evicted = {b.hash: b for b in blocks}
+        for info in blocks:
+            chain = self.tier.chain_to(info.hash, evicted)
+            if chain:
+                events.extend(self.tier.store_chain(chain))
+        return events
+
+    async def events(self) -> AsyncIterator[list[KVCacheEvent]]:
+        """The connector's event stream: add it to a scheduler as an async source."""
+        async for blocks in self._receive:
+            events = self.process(blocks)
+            self._done += 1
+            if self._done == self._sent:
+                self._idle.set()
+            if events:
+                yield events
+
+    async def wait_idle(self) -> None:
+        """Wait until every offload queued so far has been handed to the scheduler."""
+        while self._done < self._sent:
+            await self._idle.wait()
+
+    def close(self) -> None:
+        self._send.close()
+
+
+class SimulatedEngine:
+    """One engine: a GPU block pool, a CPU offload tier and a remote store."""
+
+    def __init__(
+        self,
+        *,
+        seed: int = 0,
+        block_size: int = 16,
+        gpu_blocks: int = 1024,
+        cpu_blocks: int = 4096,
+        remote_blocks: int = 8192,
+        requests_per_step: int = 4,
+        reset_every: int | None = None,
+        workload: Workload | None = None,
+        origin: str = "sim-0",
+    ) -> None:
+        for name, value in (
+            ("block_size", block_size),
+            ("gpu_blocks", gpu_blocks),
+            ("cpu_blocks", cpu_blocks),
+            ("remote_blocks", remote_blocks),
+            ("requests_per_step", requests_per_step),
+        ):
+            if type(value) is not int or value <= 0:
+                raise ConfigError(f"SimulatedEngine.{name}: expected a positive int, got {value!r}")
+        if reset_every is not None and reset_every <= 0:
+            raise ConfigError(f"SimulatedEngine.reset_every: expected > 0, got {reset_every!r}")
+        if workload is not None and workload.block_size != block_size:
+            raise ConfigError(
+                f"SimulatedEngine.block_size {block_size} differs from the workload's "
+                f"{workload.block_size}"
+            )
+        self.origin = origin
+        self.block_size = block_size
+        self.requests_per_step = requests_per_step
+        self.reset_every = reset_every
+        self.workload = workload or Workload(seed=seed, block_size=block_size)
+        self.registry = Registry()
+        self.gpu = Tier("GPU", gpu_blocks, block_size, self.registry)
+        self.cpu = CpuOffloadConnector(Tier("CPU", cpu_blocks, block_size, self.registry))
+        self.remote = RemoteStoreConnector(
+            Tier("EXTERNAL", remote_blocks, block_size, self.registry)
+        )
+        self.steps_done = 0
+        self.prefix_hits = 0
+        self.blocks_requested = 0
+        self._gpu_events: list[KVCacheEvent] = []
+
+    # -- one engine step -------------------------------------------------------------
+
+    def _chunk(self, request: Request) -> list[BlockInfo]:
+        size = self.block_size
+        tokens = request.token_ids
+        blocks: list[BlockInfo] = []
+        parent: int | None = None
+        for start in range(0, len(tokens) - size + 1, size):
+            chunk = tokens[start : start + size]
+            h = block_hash(parent, chunk, request.lora_name)
+            blocks.append(BlockInfo(h, parent, tuple(chunk), request.lora_name))
+            parent = h
+        return blocks
+
+    def serve(self, requests: list[Request]) -> None:
+        """Run one engine step over ``requests``; the events wait to be taken."""
+        self.steps_done += 1
+        if self.reset_every and self.steps_done % self.reset_every == 0:
+            self.reset()
+        gpu = self.gpu
+        evicted: list[BlockInfo] = []
+        pinned: list[int] = []
+        for request in requests:
+            blocks = self._chunk(request)
+            if not blocks:
+                continue
+            self.blocks_requested += len(blocks)
+            hit = 0
+            while hit < len(blocks) and blocks[hit].hash in gpu:
+                hit += 1
+            self.prefix_hits += hit
+            for b in blocks[:hit]:
+                gpu.touch(b.hash)
+                gpu.pin(b.hash)
+                pinned.append(b.hash)
+            new = blocks[hit:]
+            room = gpu.capacity - len(gpu)
+            if room < len(new):
+                victims = gpu.evict(len(new) - room, {b.hash for b in blocks})
+                if victims:
+                    self._gpu_events.append(
+                        BlockRemoved(block_hashes=[v.hash for v in victims], medium="GPU")
+                    )
+                    evicted.extend(victims)
+            # Blocks pinned by this step's requests cannot be evicted: store what fits.
+            new = new[: max(gpu.capacity - len(gpu), 0)]
+            if new:
+                self._gpu_events.extend(gpu.store_chain(new))
+                for b in new:
+                    gpu.pin(b.hash)
+                    pinned.append(b.hash)
+                self.remote.on_computed(new[-1])
+        # The step ends: requests release their blocks (tail first becomes evictable).
+        for h in reversed(pinned):
+            gpu.unpin(h)
+        self.cpu.offload(evicted)
+
+    def step(self) -> None:
+        """One step over the workload's next ``requests_per_step`` requests."""
+        self.serve(self.workload.next_requests(self.requests_per_step))
+
+    def take_gpu_events(self) -> list[KVCacheEvent]:
+        events, self._gpu_events = self._gpu_events, []
+        return events
+
+    def reset(self) -> None:
+        """The engine's cache is reset: every tier empties (one AllBlocksCleared)."""
+        self.gpu.clear()
+        self.cpu.tier.clear()
+        self.remote.tier.clear()
+        self.remote._pending.clear()
+        self._gpu_events.append(AllBlocksCleared())
+
+    # -- feeding a scheduler -----------------------------------------------------------
+
+    def step_events(self) -> list[KVCacheEvent]:
+        """Run :meth:`step` and return all its events in batch order, synchronously."""
+        self.step()
+        events = self.take_gpu_events()
+        while True:
+            try:
+                blocks = self.cpu._receive.receive_nowait()
+            except anyio.WouldBlock:
+                break
+            self.cpu._done += 1
+            events.extend(self.cpu.process(blocks))
+        self.cpu._idle.set()
+        events.extend(self.remote.take_events())
+        return events
+
+    def iter_steps(self, n: int) -> Iterator[list[KVCacheEvent]]:
+        for _ in range(n):
+            yield self.step_events()
+
+    def attach(self, scheduler: Scheduler) -> None:
+        """Add the CPU offload stream and the remote connector as this engine's sources."""
+        if scheduler.origin != self.origin:
+            self.origin = scheduler.origin
+        scheduler.add_source(self.cpu.events(), name="cpu-offload")
+        scheduler.add_source(from_take_events(self.remote, name="remote-store"))
+
+    async def astep(self, scheduler: Scheduler, requests: list[Request] | None = None) -> None:
+        """One step: GPU events to ``scheduler.emit``, CPU events through the async
+        source (waited for, so they make this step's batch). Then call ``tick()``."""
+        if requests is None:
+            self.step()
+        else:
+            self.serve(requests)
+        events = self.take_gpu_events()
+        if events:
+            scheduler.emit(events)
+        await self.cpu.wait_idle()
+
+    def close(self) -> None:
+        """End the CPU offload stream (its source then finishes)."""
+        self.cpu.close()
+
+    # -- state ---------------------------------------------------------------------------
+
+    def snapshot(self) -> list[KVCacheEvent]:
+        """AllBlocksCleared, then BlockStored events (parents first) per tier: the
+        events that rebuild the engine's current state from nothing."""
+        events: list[KVCacheEvent] = [AllBlocksCleared()]
+        for tier in (self.gpu, self.cpu.tier, self.remote.tier):
+            events.extend(tier.snapshot())
+        return events
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.blocks_requested if self.blocks_requested else 0.0

@@ -19,7 +19,7 @@ benchmark input).
 
 from __future__ import annotations
 
-import math
+from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING
 
@@ -60,18 +60,24 @@ class CpuOffloadConnector:
 
     def __init__(self, tier: Tier) -> None:
         self.tier = tier
-        self._send, self._receive = anyio.create_memory_object_stream[list[BlockInfo]](math.inf)
+        self._queue: deque[list[BlockInfo]] = deque()
         self._sent = 0
         self._done = 0
-        self._idle = anyio.Event()
-        self._idle.set()
+        self._closed = False
+        self._wakeup: anyio.Event | None = None
+        self._idle: anyio.Event | None = None
 
     def offload(self, blocks: list[BlockInfo]) -> None:
         """Queue blocks the GPU evicted (called by the engine, no await)."""
         if blocks:
             self._sent += 1
-            self._idle = anyio.Event()
-            self._send.send_nowait(blocks)
+            self._queue.append(blocks)
+            self._wake()
+
+    def _wake(self) -> None:
+        wakeup, self._wakeup = self._wakeup, None
+        if wakeup is not None:
+            wakeup.set()
 
     def process(self, blocks: list[BlockInfo]) -> list[KVCacheEvent]:
         """Store evicted blocks (and the ancestors the CPU tier lacks)."""
@@ -83,23 +89,39 @@ class CpuOffloadConnector:
                 events.extend(self.tier.store_chain(chain))
         return events
 
+    def process_pending(self) -> list[KVCacheEvent]:
+        """Process everything queued, synchronously (no scheduler involved)."""
+        events: list[KVCacheEvent] = []
+        while self._queue:
+            events.extend(self.process(self._queue.popleft()))
+            self._done += 1
+        return events
+
     async def events(self) -> AsyncIterator[list[KVCacheEvent]]:
         """The connector's event stream: add it to a scheduler as an async source."""
-        async for blocks in self._receive:
-            events = self.process(blocks)
-            self._done += 1
-            if self._done == self._sent:
-                self._idle.set()
-            if events:
-                yield events
+        while True:
+            while self._queue:
+                events = self.process(self._queue.popleft())
+                self._done += 1
+                if self._done == self._sent and self._idle is not None:
+                    self._idle.set()
+                if events:
+                    yield events
+            if self._closed:
+                return
+            wakeup = self._wakeup = anyio.Event()
+            await wakeup.wait()
 
     async def wait_idle(self) -> None:
         """Wait until every offload queued so far has been handed to the scheduler."""
         while self._done < self._sent:
-            await self._idle.wait()
+            idle = self._idle = anyio.Event()
+            await idle.wait()
 
     def close(self) -> None:
-        self._send.close()
+        """End the event stream once what is queued has been processed."""
+        self._closed = True
+        self._wake()
 
 
 class SimulatedEngine:
@@ -229,14 +251,7 @@ class SimulatedEngine:
         """Run :meth:`step` and return all its events in batch order, synchronously."""
         self.step()
         events = self.take_gpu_events()
-        while True:
-            try:
-                blocks = self.cpu._receive.receive_nowait()
-            except anyio.WouldBlock:
-                break
-            self.cpu._done += 1
-            events.extend(self.cpu.process(blocks))
-        self.cpu._idle.set()
+        events.extend(self.cpu.process_pending())
         events.extend(self.remote.take_events())
         return events
 

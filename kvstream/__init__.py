@@ -5,7 +5,8 @@ This module only re-exports the public API; see the submodules for the code.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from kvstream.codecs import Codec, JsonCodec
+from kvstream.codecs import Codec, JsonCodec, MsgpackCodec
+from kvstream.config import subscribe
 from kvstream.errors import (
     ClosedError,
     ConfigError,
@@ -23,6 +24,8 @@ from kvstream.events import (
     EventBatch,
     KVCacheEvent,
 )
+from kvstream.index import PrefixIndex, PrefixMatch
+from kvstream.publisher import EventPublisher
 from kvstream.scheduler import CloseReport, Scheduler, SchedulerStatistics, every
 from kvstream.sinks import (
     DeliveryReport,
@@ -51,6 +54,7 @@ __all__ = [
     "DecodeError",
     "DeliveryReport",
     "EventBatch",
+    "EventPublisher",
     "FileSink",
     "InvalidEventError",
     "InvalidEventTypeError",
@@ -59,6 +63,9 @@ __all__ = [
     "KVStreamError",
     "MemorySink",
     "MissingDependencyError",
+    "MsgpackCodec",
+    "PrefixIndex",
+    "PrefixMatch",
     "QueueSink",
     "Scheduler",
     "SchedulerStatistics",
@@ -72,4 +79,5 @@ __all__ = [
     "every",
     "from_take_events",
     "run_in_thread",
+    "subscribe",
 ]

@@ -4,7 +4,8 @@ Sink URLs (every one also takes ``?policy=block|drop_oldest|drop_newest``,
 ``max_bytes=64MiB``, ``max_batches=N``, ``codec=json|msgpack``, ``name=...``)::
 
     -                         JSON lines on standard output
-    file:PATH  file://PATH    JSON lines appended to PATH (a bare path works too)
+    file:PATH  file://PATH    JSON lines appended to PATH (a bare path works too);
+                              ?rotate_bytes=64MiB&rotate_seconds=3600&keep=10 rotate it
     memory:                   a MemorySink (tests, examples)
 
 and, as their issues land, ``tcp://HOST:PORT``, ``unix:PATH``, ``zmq+tcp://...``,
@@ -38,6 +39,7 @@ __all__ = [
     "open_subscriber",
     "parse_size",
     "parse_url",
+    "subscribe",
 ]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -196,24 +198,39 @@ def parse_url(url: str) -> ParsedURL:
 _SINKS: Final[dict[str, tuple[str, str | None]]] = {
     "file": ("kvstream.config:_file_sink", None),
     "memory": ("kvstream.config:_memory_sink", None),
+    "zmq+tcp": ("kvstream.sinks.zmq:sink_from_url", "zmq"),
+    "zmq+ipc": ("kvstream.sinks.zmq:sink_from_url", "zmq"),
+    "nats": ("kvstream.sinks.nats:sink_from_url", "nats"),
+    "redis": ("kvstream.sinks.redis:sink_from_url", "redis"),
+    "tcp": ("kvstream.sinks.socket:sink_from_url", None),
+    "unix": ("kvstream.sinks.socket:sink_from_url", None),
 }
 
 # scheme -> "module:function" building a Subscriber from (ParsedURL, Options, kwargs).
 _SUBSCRIBERS: Final[dict[str, tuple[str, str | None]]] = {
     "file": ("kvstream.config:_file_subscriber", None),
+    "zmq+tcp": ("kvstream.consumers.zmq:subscriber_from_url", "zmq"),
+    "zmq+ipc": ("kvstream.consumers.zmq:subscriber_from_url", "zmq"),
+    "nats": ("kvstream.consumers.nats:subscriber_from_url", "nats"),
+    "redis": ("kvstream.consumers.redis:subscriber_from_url", "redis"),
+    "tcp": ("kvstream.consumers.socket:subscriber_from_url", None),
+    "unix": ("kvstream.consumers.socket:subscriber_from_url", None),
 }
 
 # codec name -> "module:function" building a Codec from Options.
 _CODECS: Final[dict[str, tuple[str, str | None]]] = {
     "json": ("kvstream.config:_json_codec", None),
+    "msgpack": ("kvstream.codecs.msgpack:codec_from_options", None),
 }
 
 
-def _load(table: Mapping[str, tuple[str, str | None]], key: str, what: str) -> Callable[..., Any]:
+def _load(
+    table: Mapping[str, tuple[str, str | None]], key: str, what: str, kind: str = "scheme"
+) -> Callable[..., Any]:
     entry = table.get(key)
     if entry is None:
         known = ", ".join(sorted(table))
-        raise ConfigError(f"{what}: unknown scheme {key!r}; expected one of: {known}")
+        raise ConfigError(f"{what}: unknown {kind} {key!r}; expected one of: {known}")
     target, extra = entry
     module_name, _, func = target.partition(":")
     try:
@@ -228,7 +245,8 @@ def _load(table: Mapping[str, tuple[str, str | None]], key: str, what: str) -> C
 def make_codec(name: str, options: Options | None = None) -> Codec:
     """Build a codec by name (``json``, ``msgpack``), taking its options."""
     opts = options or Options(name, {})
-    factory = _load(_CODECS, name, "codec")
+    what = "codec" if options is None else f"{options.url}: option codec"
+    factory = _load(_CODECS, name, what, "codec")
     return factory(opts)  # type: ignore[no-any-return]
 
 
@@ -271,6 +289,23 @@ def open_subscriber(url: str, **kwargs: Any) -> Subscriber:
     return sub
 
 
+def subscribe(
+    url: str, from_seq: int | Mapping[str, int] | None = None, **kwargs: Any
+) -> Subscriber:
+    """A subscriber for any URL :func:`open_subscriber` knows, from ``from_seq`` on::
+
+        async with kvstream.subscribe("tcp://127.0.0.1:5600", from_seq=0) as sub:
+            async for item in sub:   # EventBatch or Gap, in order per origin
+                ...
+
+    ``from_seq=None`` means live batches only (for a file: from its start).
+    Other keyword arguments go to the subscriber (``follow=True`` for a file).
+    """
+    if from_seq is not None:
+        kwargs["from_seq"] = from_seq
+    return open_subscriber(url, **kwargs)
+
+
 # -- built-in factories -------------------------------------------------------------
 
 
@@ -285,7 +320,16 @@ def _file_sink(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink
         raise ConfigError(f"{parsed.raw}: expected a file path (file:PATH, or - for stdout)")
     if "codec" not in common and "hash_strings" in opts:
         common["codec"] = _json_codec(opts)
-    return FileSink(parsed.path, **common)
+    rotation: dict[str, Any] = {
+        "rotate_seconds": opts.pop_float("rotate_seconds"),
+        "keep": opts.pop_int("keep"),
+    }
+    if "rotate_bytes" in opts:
+        rotation["rotate_bytes"] = opts.pop_size("rotate_bytes", 0)
+    try:
+        return FileSink(parsed.path, **rotation, **common)
+    except ConfigError as exc:
+        raise ConfigError(f"{parsed.raw}: {exc}") from None
 
 
 def _memory_sink(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink:

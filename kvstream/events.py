@@ -14,6 +14,7 @@ handful of type checks.
 from __future__ import annotations
 
 import math
+import reprlib
 from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Final, TypeAlias
@@ -45,21 +46,27 @@ _HASH_MIN: Final = -(2**63)
 _HASH_LIMIT: Final = 2**64
 _MAX_DEPTH: Final = 32
 
+# Error messages show the bad value, shortened: a plain repr() of a deeply nested
+# value (as a decoder can be handed) would raise RecursionError instead.
+_REPR: Final = reprlib.Repr()
+_REPR.maxlevel = 3
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 80
+
+
+def shorten(value: object) -> str:
+    """A repr of ``value`` short enough for an error message, whatever its depth."""
+    shown = _REPR.repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
+
 
 def _fail_type(event: str, field: str, value: object, expected: str) -> InvalidEventTypeError:
-    shown = repr(value)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
     return InvalidEventTypeError(
-        f"{event}.{field}: expected {expected}, got {shown} ({type(value).__name__})"
+        f"{event}.{field}: expected {expected}, got {shorten(value)} ({type(value).__name__})"
     )
 
 
 def _fail_value(event: str, field: str, value: object, expected: str) -> InvalidEventError:
-    shown = repr(value)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
-    return InvalidEventError(f"{event}.{field}: expected {expected}, got {shown}")
+    return InvalidEventError(f"{event}.{field}: expected {expected}, got {shorten(value)}")
 
 
 def _check_hash(event: str, field: str, h: object) -> None:
@@ -120,12 +127,13 @@ def _checked_tokens(event: str, tokens: object) -> list[int]:
     return tokens
 
 
-def _opt_int(event: str, field: str, value: object, *, minimum: int | None = None) -> None:
+def _opt_int(event: str, field: str, value: object, *, minimum: int = _HASH_MIN) -> None:
     if value is not None:
         if type(value) is not int:
             raise _fail_type(event, field, value, "an int or None")
-        if minimum is not None and value < minimum:
-            raise _fail_value(event, field, value, f"an integer >= {minimum} or None")
+        if not minimum <= value < _HASH_LIMIT:  # every wire format caps ints at 64 bits
+            shown = "-2**63" if minimum == _HASH_MIN else str(minimum)
+            raise _fail_value(event, field, value, f"an integer in [{shown}, 2**64) or None")
 
 
 def _opt_str(event: str, field: str, value: object) -> None:
@@ -177,7 +185,11 @@ def validate_metadata(metadata: object, event: str = "event") -> dict[str, Any] 
 
 def _extra_value(event: str, where: str, value: object, depth: int) -> Any:
     t = type(value)
-    if value is None or t is str or t is int or t is bytes or t is bool:
+    if value is None or t is str or t is bytes or t is bool:
+        return value
+    if t is int:
+        if not _HASH_MIN <= value < _HASH_LIMIT:  # type: ignore[operator]
+            raise _fail_value(event, where, value, "an integer in [-2**63, 2**64)")
         return value
     if t is float:
         if not math.isfinite(value):  # type: ignore[arg-type]
@@ -214,6 +226,13 @@ class KVCacheEvent(msgspec.Struct, kw_only=True, frozen=True, gc=False, tag_fiel
 
     #: The tiers an event is about; ``None`` means every tier (AllBlocksCleared).
     type_name: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        # Only the three concrete events exist on the wire; each overrides this.
+        raise InvalidEventTypeError(
+            f"{type(self).__name__}: expected a BlockStored, BlockRemoved or AllBlocksCleared "
+            "(KVCacheEvent is only their base)"
+        )
 
 
 class BlockStored(KVCacheEvent, kw_only=True, frozen=True, gc=False):
@@ -263,8 +282,8 @@ class BlockStored(KVCacheEvent, kw_only=True, frozen=True, gc=False):
         size = self.block_size
         if type(size) is not int:
             raise _fail_type(name, "block_size", size, "an int >= 0")
-        if size < 0:
-            raise _fail_value(name, "block_size", size, "an int >= 0")
+        if not 0 <= size < _HASH_LIMIT:
+            raise _fail_value(name, "block_size", size, "an int >= 0 (below 2**64)")
         if len(tokens) != size * len(hashes) and (tokens or size):
             raise InvalidEventError(
                 f"{name}.token_ids: expected block_size * len(block_hashes) = "
@@ -374,14 +393,16 @@ class EventBatch:
         epoch: str = "",
     ) -> None:
         if type(seq) is not int or seq < 0:
-            raise InvalidEventError(f"EventBatch.seq: expected an int >= 0, got {seq!r}")
+            raise InvalidEventError(f"EventBatch.seq: expected an int >= 0, got {shorten(seq)}")
         if type(ts) is not float:
             if type(ts) is int:
-                ts = float(ts)
+                ts = float(ts) if -(2**1000) < ts < 2**1000 else math.inf  # refused below
             else:
                 raise InvalidEventTypeError(
-                    f"EventBatch.ts: expected a float (wall-clock seconds), got {ts!r}"
+                    f"EventBatch.ts: expected a float (wall-clock seconds), got {shorten(ts)}"
                 )
+        if not math.isfinite(ts):  # JSON has no NaN or infinity: it could not be read back
+            raise InvalidEventError(f"EventBatch.ts: expected a finite float, got {shorten(ts)}")
         if type(events) is not list:
             if not isinstance(events, Sequence):
                 raise InvalidEventTypeError(
@@ -391,12 +412,12 @@ class EventBatch:
         if data_parallel_rank is not None and type(data_parallel_rank) is not int:
             raise InvalidEventTypeError(
                 "EventBatch.data_parallel_rank: expected an int or None, "
-                f"got {data_parallel_rank!r}"
+                f"got {shorten(data_parallel_rank)}"
             )
         if type(origin) is not str:
-            raise InvalidEventTypeError(f"EventBatch.origin: expected a str, got {origin!r}")
+            raise InvalidEventTypeError(f"EventBatch.origin: expected a str, got {shorten(origin)}")
         if type(epoch) is not str:
-            raise InvalidEventTypeError(f"EventBatch.epoch: expected a str, got {epoch!r}")
+            raise InvalidEventTypeError(f"EventBatch.epoch: expected a str, got {shorten(epoch)}")
         self.seq = seq
         self.ts = ts
         self.events = events

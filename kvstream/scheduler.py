@@ -44,10 +44,14 @@ __all__ = ["CloseReport", "Scheduler", "SchedulerStatistics", "every"]
 log = logging.getLogger("kvstream.scheduler")
 
 
-async def every(interval: float) -> AsyncIterator[None]:
+def every(interval: float) -> AsyncIterator[None]:
     """A ticker: yields every ``interval`` seconds, without drift."""
-    if not interval > 0:
+    if not interval > 0:  # checked now, not when the ticker task first iterates
         raise ConfigError(f"tick interval: expected seconds > 0, got {interval!r}")
+    return _every(interval)
+
+
+async def _every(interval: float) -> AsyncIterator[None]:
     deadline = anyio.current_time()
     while True:
         deadline += interval
@@ -168,9 +172,20 @@ class Scheduler:
         # Dispatch: batches whose offer to some block sink is still pending.
         self._backlog: deque[list[Any]] = deque()  # [batch, next sink index, ticket]
         self._dispatching = False
+        #: Set when closing: full ``block`` outboxes take the last batches past
+        #: their bounds (their drain delivers or reports them) instead of waiting.
+        self._flushing = False
+        self._put_scope: anyio.CancelScope | None = None
+        # The merger's and the ticker's own scopes: aclose() cancels these, never
+        # the task group's scope, which the host's ``async with`` body runs in.
+        self._task_scopes: list[anyio.CancelScope] = []
+        self._stopped = False
+        self._merger_done = anyio.Event()
         self._tickets = 0
         self._dispatched = 0
         self._progress = anyio.Event()
+        #: call_at_barrier() callbacks for the next tick (snapshots for socket sinks)
+        self._at_barrier: list[Callable[[str, str, int], None]] = []
         # counters
         self._ticks = 0
         self._batches_sealed = 0
@@ -195,7 +210,7 @@ class Scheduler:
                 await tg.start(self._sink_lifetime, sink, name=f"kvstream sink {sink.name}")
             if self._ticker is not None:
                 tg.start_soon(self._run_ticker, name="kvstream ticker")
-        except BaseException as exc:
+        except BaseException:
             self._closed = True
             self._merger.close()
             for h in self._handles:
@@ -203,7 +218,14 @@ class Scheduler:
             self._closing.set()
             tg.cancel_scope.cancel()
             self._tg = None
-            await tg.__aexit__(type(exc), exc, exc.__traceback__)
+            try:
+                # Not handing it the exception: the caller gets the sink's own
+                # error (a TransportError), not an ExceptionGroup around it.
+                await tg.__aexit__(None, None, None)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    for sink in self._sinks:  # those not opened yet hold resources too
+                        await sink.aclose()
             raise
         return self
 
@@ -243,38 +265,80 @@ class Scheduler:
         deadline = anyio.current_time() + limit
         self._merger.close()
         for h in self._handles:
-            h.cancel()
+            if not h.polled:  # connectors are polled once more, by the last tick
+                h.cancel()
+        # Nothing waits for room in a full outbox any more: a tick waiting in
+        # put() stops waiting, and every batch sealed from now on is queued past
+        # the bounds, so that each sink's drain delivers it or reports it.
+        self._flushing = True
+        if self._put_scope is not None:
+            self._put_scope.cancel()
         # A last tick: everything accepted so far becomes a batch.
         with anyio.move_on_after(max(deadline - anyio.current_time(), 0)):
             await self._tick()
+        for h in self._handles:
+            h.cancel()
+        if self._tg is not None:
+            # A source that was producing an item when that tick ran can still
+            # hand it over before it notices the cancellation: wait for every
+            # source to end, then seal what they handed over last.
+            with anyio.move_on_after(max(deadline - anyio.current_time(), 0)):
+                await self._merger_done.wait()
+                if any(h.buffer for h in self._handles):
+                    await self._tick()
         self._drain_deadline = deadline
         self._closing.set()
         if self._tg is None:  # never started: sinks were not opened
-            reports = [await s.drain(0) for s in self._sinks]
+            for s in self._sinks:
+                await s.aclose()
+            reports = [s._drain_report or await s.drain(0) for s in self._sinks]
         else:
             for done in self._sinks_done:
                 await done.wait()
             reports = [s._drain_report or await s.drain(0) for s in self._sinks]
-        report = CloseReport(tuple(reports), tuple(self._failed))
+        # Polled connectors fail inside a tick, not in the merge: add theirs.
+        failed = self._failed + [h.name for h in self._handles if h.polled and h.error is not None]
+        report = CloseReport(tuple(reports), tuple(failed))
         self._close_report = report
-        if self._tg is not None:
-            self._tg.cancel_scope.cancel()
+        self._stopped = True
+        for scope in self._task_scopes:
+            scope.cancel()
         return report
 
     async def _sink_lifetime(self, sink: Sink, *, task_status: TaskStatus[None]) -> None:
         done = anyio.Event()
         self._sinks_done.append(done)
+        started = False
         try:
             async with sink:
                 task_status.started()
+                started = True
                 await self._closing.wait()
                 remaining = max(self._drain_deadline - anyio.current_time(), 0.0)
                 await sink.drain(remaining)
+        except Exception as exc:
+            if not started:  # opening failed: the caller of start() gets the error
+                raise
+            # A sink failing to release its transport must not take the scheduler
+            # (and the host's task) down with it: what it delivered is reported.
+            log.error("sink %s failed while closing: %s: %s", sink.name, type(exc).__name__, exc)
         finally:
             done.set()
 
+    def _task_scope(self) -> anyio.CancelScope:
+        """A cancel scope for one background task, cancelled by :meth:`aclose`."""
+        scope = anyio.CancelScope()
+        if self._stopped:
+            scope.cancel()
+        self._task_scopes.append(scope)
+        return scope
+
     async def _run_merger(self) -> None:
-        await self._merger.run(self._source_ended)
+        try:
+            with self._task_scope():
+                await self._merger.run(self._source_ended)
+        finally:
+            self._merger_done.set()
 
     def _source_ended(self, handle: SourceHandle) -> None:
         if handle.error is not None:
@@ -284,10 +348,11 @@ class Scheduler:
         assert self._ticker is not None
         iterator = aiter(self._ticker)
         try:
-            async for _ in iterator:
-                if self._closed:
-                    break
-                await self._tick()
+            with self._task_scope():
+                async for _ in iterator:
+                    if self._closed:
+                        break
+                    await self._tick()
         finally:
             aclose = getattr(iterator, "aclose", None)
             if aclose is not None:
@@ -391,6 +456,10 @@ class Scheduler:
             if other.codec is not None and other.codec == sink.codec:
                 other.share_encoding = sink.share_encoding = True
         self._sinks.append(sink)
+        # Sinks that serve snapshots (the socket sink) need the tick barrier.
+        bind = getattr(sink, "bind_barrier", None)
+        if callable(bind):
+            bind(self.call_at_barrier)
 
     @property
     def sinks(self) -> tuple[Sink, ...]:
@@ -415,11 +484,32 @@ class Scheduler:
     async def _tick(self) -> EventBatch | None:
         self._ticks += 1
         batches = self._seal()
+        if self._at_barrier:
+            self._run_barrier_callbacks()
         if not batches:
             return None
         await self._dispatch(batches)
         own = batches[0]
         return own if own.origin == self.origin else None
+
+    def call_at_barrier(self, callback: Callable[[str, str, int], None]) -> None:
+        """Call ``callback(origin, epoch, next_seq)`` once, inside the next tick.
+
+        It runs right after that tick seals, before anything else can run: the
+        events the host reported so far are exactly this origin's batches
+        ``< next_seq``, so a snapshot of the host's state taken in the callback
+        precedes ``next_seq``. Keep callbacks short: they run on the host's tick.
+        """
+        self._at_barrier.append(callback)
+
+    def _run_barrier_callbacks(self) -> None:
+        callbacks, self._at_barrier = self._at_barrier, []
+        next_seq = self._own.next_seq
+        for callback in callbacks:
+            try:
+                callback(self.origin, self.epoch, next_seq)
+            except Exception:
+                log.exception("barrier callback %r failed", callback)
 
     def _seal(self) -> list[EventBatch]:
         """Swap every input's buffer into one batch per origin. No awaits."""
@@ -468,7 +558,7 @@ class Scheduler:
                 for i, sink in enumerate(sinks):
                     if sink.closed:  # closed by its owner: it takes nothing more
                         continue
-                    if not sink.offer(batch):
+                    if not sink.offer(batch, force=self._flushing):
                         self._enqueue(batches[n:], i)
                         await self._wait_dispatched(self._tickets)
                         return
@@ -507,9 +597,14 @@ class Scheduler:
                         if sink.closed:
                             i += 1
                             continue
-                        if not sink.offer(batch):
+                        if not sink.offer(batch, force=self._flushing):
                             entry[1] = i
-                            await sink.put(batch)
+                            with anyio.CancelScope() as scope:
+                                self._put_scope = scope
+                                await sink.put(batch)
+                            self._put_scope = None
+                            if scope.cancelled_caught:  # closing: offer again, forced
+                                continue
                         i += 1
                         entry[1] = i
                     backlog.popleft()

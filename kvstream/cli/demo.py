@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
+from kvstream.cli.longrun import Progress, add_metrics_option, open_metrics
 from kvstream.config import open_sink
 from kvstream.errors import ConfigError
 from kvstream.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
@@ -32,6 +33,7 @@ examples:
   kvstream demo --steps 0 --rate 50 --sink -      run until Ctrl-C, JSON lines on stdout
   kvstream demo --sink file:kv.jsonl --sink tcp://127.0.0.1:5600
   kvstream demo --rate 0 --steps 20000 --sink 'file:kv.jsonl?policy=drop_oldest'
+  kvstream demo --steps 0 --metrics 127.0.0.1:9464   Prometheus metrics while it runs
 """
 
 
@@ -62,6 +64,7 @@ def register(sub: Any) -> None:
         help="where batches go (repeatable): -, file:PATH, tcp://HOST:PORT, unix:PATH, "
         "zmq+tcp://..., nats://..., redis://... (default: ./kvstream-demo-<time>.jsonl)",
     )
+    add_metrics_option(p)
     p.set_defaults(func=run)
 
 
@@ -123,7 +126,20 @@ async def run(args: argparse.Namespace) -> int:
     last_seq: int | None = None
     started = time.perf_counter()
     stopped_by: str | None = None
-    async with Scheduler(sinks=sinks, origin=args.origin) as scheduler:
+    step = 0
+
+    def progress_line() -> str:
+        events = sum(counts.values())
+        rate = events / progress.elapsed if progress.elapsed > 0 else 0.0
+        return f"step {step:,}, {batches:,} batches, {events:,} events ({rate:,.0f} events/s)"
+
+    progress = Progress("demo", progress_line)
+    async with (
+        open_metrics(args.metrics, command="demo") as metrics,
+        Scheduler(sinks=sinks, origin=args.origin) as scheduler,
+    ):
+        if metrics is not None:
+            metrics.collector.add(scheduler)
         engine.attach(scheduler)
         print(
             f"kvstream demo: origin {scheduler.origin} epoch {scheduler.epoch} -> "
@@ -141,9 +157,9 @@ async def run(args: argparse.Namespace) -> int:
                         return
 
             tg.start_soon(watch_signals)
+            tg.start_soon(progress.run)
             interval = 1.0 / args.rate if args.rate else 0.0
             next_at = anyio.current_time()
-            step = 0
             while args.steps == 0 or step < args.steps:
                 step += 1
                 await engine.astep(scheduler)

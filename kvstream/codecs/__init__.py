@@ -2,5 +2,6 @@
 
 from kvstream.codecs.base import Codec
 from kvstream.codecs.json import JsonCodec
+from kvstream.codecs.msgpack import MsgpackCodec
 
-__all__ = ["Codec", "JsonCodec"]
+__all__ = ["Codec", "JsonCodec", "MsgpackCodec"]

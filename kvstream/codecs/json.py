@@ -32,6 +32,7 @@ from kvstream.events import (
     BlockStored,
     EventBatch,
     KVCacheEvent,
+    shorten,
 )
 
 __all__ = ["JsonCodec"]
@@ -43,6 +44,7 @@ _OPTIONAL_STORED: Final = (
     "kv_cache_spec_sliding_window",
     "locality",
 )
+_MAX_DEPTH: Final = 32
 _BATCH_KEYS: Final = frozenset(
     {"origin", "epoch", "seq", "ts", "data_parallel_rank", "events", "hash_encoding"}
 )
@@ -68,13 +70,15 @@ def _wrap_bytes(value: Any) -> Any:
     return value
 
 
-def _unwrap_bytes(value: Any) -> Any:
+def _unwrap_bytes(value: Any, depth: int = 0) -> Any:
     if type(value) is dict:
         if len(value) == 1 and type(value.get("$bytes")) is str:
             return bytes.fromhex(value["$bytes"])
-        raise ValueError(f"expected {{'$bytes': hex}}, got {value!r}")
+        raise ValueError(f"expected {{'$bytes': hex}}, got {shorten(value)}")
     if type(value) is list:
-        return [_unwrap_bytes(v) for v in value]
+        if depth >= _MAX_DEPTH:  # events refuse deeper values anyway; never recurse unbounded
+            raise ValueError(f"expected lists nested at most {_MAX_DEPTH} deep")
+        return [_unwrap_bytes(v, depth + 1) for v in value]
     return value
 
 
@@ -218,11 +222,11 @@ class JsonCodec:
             raise DecodeError(f"batch: unknown field(s) {sorted(unknown)!r}")
         encoding = obj.get("hash_encoding")
         if encoding not in (None, "decimal"):
-            raise DecodeError(f"batch.hash_encoding: expected 'decimal', got {encoding!r}")
+            raise DecodeError(f"batch.hash_encoding: expected 'decimal', got {shorten(encoding)}")
         decimal = encoding == "decimal"
         raw_events = obj.get("events")
         if type(raw_events) is not list:
-            raise DecodeError(f"batch.events: expected a list, got {raw_events!r:.80}")
+            raise DecodeError(f"batch.events: expected a list, got {shorten(raw_events)}")
         events: list[KVCacheEvent] = []
         for i, raw in enumerate(raw_events):
             try:
@@ -246,7 +250,7 @@ class JsonCodec:
 
 def _event_from_dict(raw: Any, decimal: bool) -> KVCacheEvent:
     if type(raw) is not dict:
-        raise DecodeError(f"expected an event object, got {raw!r:.80}")
+        raise DecodeError(f"expected an event object, got {shorten(raw)}")
     fields = dict(raw)
     tag = fields.pop("type", None)
     if tag == "BlockStored":
@@ -268,5 +272,5 @@ def _event_from_dict(raw: Any, decimal: bool) -> KVCacheEvent:
     if tag == "AllBlocksCleared":
         return AllBlocksCleared(**fields)
     raise DecodeError(
-        f"type: expected 'BlockStored', 'BlockRemoved' or 'AllBlocksCleared', got {tag!r:.80}"
+        f"type: expected 'BlockStored', 'BlockRemoved' or 'AllBlocksCleared', got {shorten(tag)}"
     )

@@ -11,6 +11,7 @@ import anyio
 from kvstream.codecs.json import JsonCodec
 from kvstream.consumers.base import Continuity, Gap, SequenceTracker, Subscriber, SubscriberItem
 from kvstream.errors import DecodeError, TransportError
+from kvstream.sinks.rotation import rotated_files
 
 __all__ = ["FileSubscriber"]
 
@@ -20,9 +21,12 @@ log = logging.getLogger("kvstream.consumers")
 class FileSubscriber(Subscriber):
     """Batches from a JSON-lines file, with gaps and restarts reported.
 
-    ``follow=True`` keeps reading as the file grows (and reopens it when it is
-    replaced, as by rotation). ``from_seq`` skips batches of the first epoch seen
-    below that sequence number. A line that does not decode is skipped, counted
+    ``follow=True`` keeps reading as the file grows, and across rotation: when
+    the file is replaced it finishes the old one, then reads the files a
+    :class:`~kvstream.FileSink` rotated in between (``events.000042.jsonl``,
+    found by :func:`~kvstream.sinks.rotation.rotated_files`), then the new one.
+    ``from_seq`` skips batches of the first epoch seen below that sequence
+    number. A line that does not decode is skipped, counted
     in :attr:`bad_lines` and logged; it never stops the reader.
     """
 
@@ -58,22 +62,35 @@ class FileSubscriber(Subscriber):
         partial = b""
         lineno = 0
         inode = os.fstat(f.wrapped.fileno()).st_ino
+        live = True  # reading self.path itself, not a rotated file
         try:
             while not self._closed:
                 chunk = await f.read(1 << 20)
                 if not chunk:
                     if not self.follow:
                         break
-                    await anyio.sleep(self.poll_interval)
-                    try:
-                        if os.stat(self.path).st_ino != inode:  # rotated: reopen
-                            await f.aclose()
-                            f = await anyio.open_file(self.path, "rb")
-                            inode = os.fstat(f.wrapped.fileno()).st_ino
-                            partial = b""
-                    except FileNotFoundError:
-                        pass
-                    continue
+                    if live:
+                        await anyio.sleep(self.poll_interval)
+                        try:
+                            rotated = os.stat(self.path).st_ino != inode
+                        except FileNotFoundError:
+                            rotated = False
+                        if not rotated:
+                            continue
+                        # Replaced: first read what the old file got before that.
+                        chunk = await f.read(1 << 20)
+                    if not chunk:
+                        following = _after(self.path, inode)
+                        try:
+                            new = await anyio.open_file(following or self.path, "rb")
+                        except FileNotFoundError:  # between two names: try again later
+                            continue
+                        await f.aclose()
+                        f = new
+                        inode = os.fstat(f.wrapped.fileno()).st_ino
+                        live = following is None
+                        partial = b""
+                        continue
                 lines = (partial + chunk).split(b"\n")
                 partial = lines.pop()
                 items: list[SubscriberItem] = []
@@ -116,6 +133,23 @@ class FileSubscriber(Subscriber):
         finally:
             with anyio.CancelScope(shield=True):
                 await f.aclose()
+
+
+def _after(path: str, inode: int) -> str | None:
+    """The rotated file written after the one with ``inode``; None: ``path`` itself.
+
+    When the file with ``inode`` is not among the rotated files (rotated by
+    another tool, or already deleted by retention), the reader goes on with
+    ``path``; what it missed shows as a gap.
+    """
+    names = [name for _, name in rotated_files(path)]
+    for i, name in enumerate(names):
+        try:
+            if os.stat(name).st_ino == inode:
+                return names[i + 1] if i + 1 < len(names) else None
+        except FileNotFoundError:
+            continue
+    return None
 
 
 def gap_text(gap: Gap) -> str:

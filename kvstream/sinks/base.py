@@ -30,7 +30,7 @@ from types import TracebackType
 from typing import Final, Literal, NamedTuple, Self, TypeAlias, get_args
 
 import anyio
-from anyio.abc import TaskGroup
+from anyio.abc import TaskGroup, TaskStatus
 
 from kvstream.codecs.base import Codec
 from kvstream.codecs.json import JsonCodec
@@ -144,11 +144,15 @@ class Sink(ABC):
         self.share_encoding = False
         self._writer_waiting: anyio.Event | None = None
         self._space_waiters: list[anyio.Event] = []
+        #: The sink's tasks (the writer; subclasses may start more). Closing cancels
+        #: its scope, which the owner's ``async with`` body is not in: see __aenter__.
         self._tg: TaskGroup | None = None
+        self._host_tg: TaskGroup | None = None
         self._entered = False
         self._closing = False
         self._closed = False
         self._drain_report: DeliveryReport | None = None
+        self._writer_started = False
         self._writer_done = anyio.Event()
         # counters
         self._batches_in = 0
@@ -161,6 +165,7 @@ class Sink(ABC):
         self._healthy = True
         self._burst_errors = 0
         self._drop_burst = False
+        self._discarded: set[int] = set()
 
     # -- what a sink author writes ------------------------------------------------
 
@@ -204,6 +209,11 @@ class Sink(ABC):
         finally:
             if self._tg is not None:
                 self._tg.cancel_scope.cancel()
+                if self._writer_started:
+                    # A send running in a worker thread is not interrupted by the
+                    # cancellation: wait for it before subclasses release the transport.
+                    with anyio.CancelScope(shield=True):
+                        await self._writer_done.wait()
 
     # -- lifetime ---------------------------------------------------------------
 
@@ -212,8 +222,20 @@ class Sink(ABC):
             raise ClosedError(f"{self.name}: a sink can be entered only once")
         self._entered = True
         await self.open()
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
+        # The owner's ``async with`` body runs inside the scope of the task group
+        # entered here, so cancelling that scope would cancel the owner's code
+        # after an early aclose(). The sink's tasks live in a task group held by a
+        # task of its own instead: aclose() cancels that one.
+        host_tg = anyio.create_task_group()
+        await host_tg.__aenter__()
+        self._host_tg = host_tg
+        try:
+            tg: TaskGroup = await host_tg.start(_hold_task_group, name=f"kvstream sink {self.name}")
+        except BaseException:
+            self._host_tg = None
+            host_tg.cancel_scope.cancel()
+            await host_tg.__aexit__(None, None, None)
+            raise
         self._tg = tg
         tg.start_soon(self._writer, name=f"kvstream sink writer {self.name}")
         return self
@@ -228,20 +250,24 @@ class Sink(ABC):
             with anyio.CancelScope(shield=True):
                 await self.aclose()
         finally:
-            tg, self._tg = self._tg, None
-            if tg is not None:
-                tg.cancel_scope.cancel()
-                await tg.__aexit__(None, None, None)
+            self._tg = None
+            host_tg, self._host_tg = self._host_tg, None
+            if host_tg is not None:
+                host_tg.cancel_scope.cancel()
+                await host_tg.__aexit__(None, None, None)
         return None
 
     # -- the tick's side ----------------------------------------------------------
 
-    def offer(self, batch: EventBatch) -> bool:
+    def offer(self, batch: EventBatch, *, force: bool = False) -> bool:
         """Queue ``batch`` without waiting.
 
         Returns False only when the outbox is full and the policy is ``block``: the
         caller then awaits :meth:`put`. With a ``drop_*`` policy it always returns
-        True (dropping and counting what the policy says).
+        True (dropping and counting what the policy says). ``force=True`` queues a
+        batch past the bounds of a full ``block`` outbox: the scheduler does this
+        for the last batches it seals when closing, which :meth:`drain` then
+        delivers or reports.
         """
         if self._closing:
             raise ClosedError(f"{self.name}: the sink is closed")
@@ -251,14 +277,15 @@ class Sink(ABC):
             len(outbox) >= self.max_batches or self._queued_bytes + size > self.max_bytes
         ):
             policy = self.policy
-            if policy == "block":
+            if policy == "block" and not force:
                 return False
             self._batches_in += 1
             if policy == "drop_newest":
                 self._drop(batch)
                 return True
-            while outbox and (
-                len(outbox) >= self.max_batches or self._queued_bytes + size > self.max_bytes
+            while policy == "drop_oldest" and (
+                outbox
+                and (len(outbox) >= self.max_batches or self._queued_bytes + size > self.max_bytes)
             ):
                 old, old_size = outbox.popleft()
                 self._queued_bytes -= old_size
@@ -281,7 +308,7 @@ class Sink(ABC):
             await event.wait()
 
     def _drop(self, batch: EventBatch) -> None:
-        self.discard(
+        self._count_drop(
             batch,
             f"outbox full ({len(self._outbox)} batches, {self._queued_bytes} bytes), "
             f"policy {self.policy}",
@@ -291,8 +318,13 @@ class Sink(ABC):
         """Count ``batch`` as dropped (never silently): logged once per burst.
 
         For sinks whose ``send`` finds a batch undeliverable for good (the
-        consumer went away); the writer then moves on to the next batch.
+        consumer went away); the writer then moves on to the next batch and does
+        not count this one as sent.
         """
+        self._count_drop(batch, reason)
+        self._discarded.add(id(batch))
+
+    def _count_drop(self, batch: EventBatch, reason: str) -> None:
         if not self._drop_burst:
             self._drop_burst = True
             log.warning(
@@ -367,8 +399,9 @@ class Sink(ABC):
         return items
 
     async def _writer(self) -> None:
+        self._writer_started = True
         try:
-            while True:
+            while self._drain_report is None:  # once reported, nothing more is sent
                 if not self._outbox:
                     if self._closing:
                         return
@@ -387,6 +420,8 @@ class Sink(ABC):
     async def _deliver(self, items: list[tuple[bytes, EventBatch]]) -> None:
         delay = self._retry_initial
         while True:
+            if self._discarded:
+                self._discarded.clear()
             try:
                 if len(items) == 1:
                     await self.send(*items[0])
@@ -416,7 +451,11 @@ class Sink(ABC):
                 log.warning(
                     "%s: send recovered after %d failed attempts", self.name, self._burst_errors
                 )
+            discarded = self._discarded
             for data, batch in items:
+                if discarded and id(batch) in discarded:
+                    discarded.discard(id(batch))
+                    continue
                 self._batches_out += 1
                 self._events_out += len(batch.events)
                 self._bytes_out += len(data)
@@ -441,9 +480,9 @@ class Sink(ABC):
             with anyio.move_on_after(timeout):
                 await self._writer_done.wait()
             self._tg.cancel_scope.cancel()
-        pending = [b for b, _ in self._outbox]
-        if not self._writer_done.is_set():
-            pending = self._inflight + pending
+        # The writer clears _inflight only after a delivery succeeded: whatever
+        # is still there (the writer was cancelled mid-send) was not delivered.
+        pending = self._inflight + [b for b, _ in self._outbox]
         n_events = sum(len(b.events) for b in pending)
         report = DeliveryReport(
             self.name, len(pending), n_events, pending[0].key if pending else None
@@ -490,6 +529,13 @@ class Sink(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} policy={self.policy}>"
+
+
+async def _hold_task_group(*, task_status: TaskStatus[TaskGroup]) -> None:
+    """Hold a task group open, in a task of its own, until its scope is cancelled."""
+    async with anyio.create_task_group() as tg:
+        task_status.started(tg)
+        await anyio.sleep_forever()
 
 
 def _hashable(codec: object) -> bool:

@@ -1,16 +1,22 @@
 """FileSink: JSON lines (or any codec's bytes) appended to a file, or stdout.
 
 Writes run in a worker thread, several queued batches per hop, so a slow disk
-never blocks the event loop; every batch is flushed to the OS before it counts
-as sent. A write that fails half-way (disk full) is rolled back by truncating
-to where it began, so the retry neither loses nor repeats a line.
+never blocks the event loop; every batch is handed to the OS before it counts
+as sent (the file is unbuffered: one ``write`` per hop). A write that fails
+half-way (disk full) is rolled back by truncating to where it began, so the
+retry neither loses nor repeats a line.
+
+With ``rotate_bytes`` and/or ``rotate_seconds`` the file is rotated between
+writes (``events.jsonl`` -> ``events.000001.jsonl``, ...), keeping the newest
+``keep`` rotated files: see :mod:`kvstream.sinks.rotation`.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -20,16 +26,31 @@ from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ConfigError, TransportError
 from kvstream.events import EventBatch
 from kvstream.sinks.base import Sink
+from kvstream.sinks.rotation import RotationPolicy, Rotator
 
 __all__ = ["FileSink"]
 
 
 class FileSink(Sink):
-    """Append encoded batches to ``path`` (``"-"`` for standard output)."""
+    """Append encoded batches to ``path`` (``"-"`` for standard output).
+
+    ``rotate_bytes`` (a size) and ``rotate_seconds`` rotate the file, ``keep``
+    bounds how many rotated files stay; ``clock`` (monotonic seconds) times
+    ``rotate_seconds``.
+    """
 
     max_coalesce = 256
 
-    def __init__(self, path: str | os.PathLike[str], **options: Any) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        rotate_bytes: int | None = None,
+        rotate_seconds: float | None = None,
+        keep: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        **options: Any,
+    ) -> None:
         options.setdefault("codec", JsonCodec())
         options.setdefault("name", f"file:{os.fspath(path)}")
         super().__init__(**options)
@@ -38,6 +59,14 @@ class FileSink(Sink):
         self.path = os.fspath(path)
         self._file: IO[bytes] | None = None
         self._limiter = anyio.CapacityLimiter(1)
+        policy = RotationPolicy(rotate_bytes, rotate_seconds, keep)
+        if policy.rotates and self.path == "-":
+            raise ConfigError(
+                "FileSink: rotate_bytes/rotate_seconds: standard output cannot rotate"
+            )
+        self.rotation: Rotator | None = (
+            Rotator(self.path, policy, clock) if policy.rotates else None
+        )
 
     async def open(self) -> None:
         if self.path == "-":
@@ -52,16 +81,39 @@ class FileSink(Sink):
         parent = Path(self.path).parent
         if not parent.exists():
             raise FileNotFoundError(f"folder {parent} does not exist")
-        return open(self.path, "ab")
+        # Unbuffered: a buffered writer keeps what a failed write left over and
+        # writes it again on the next flush, which would defeat the rollback.
+        f = open(self.path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the sink
+        if self.rotation is not None:
+            self.rotation.opened(f.tell())
+        return f
+
+    def _rotate_if_due(self, incoming: int) -> None:
+        rotation = self.rotation
+        assert rotation is not None
+        if self._file is None:  # a rotation failed after closing the file: reopen
+            self._file = self._open_file()
+        if rotation.due(self._file.tell(), incoming):
+            f, self._file = self._file, None
+            f.close()
+            rotation.rotate()  # an OSError here is retried: the file is reopened above
+            self._file = self._open_file()
 
     def _write(self, chunk: bytes | bytearray) -> None:
+        if self.rotation is not None:
+            self._rotate_if_due(len(chunk))
         f = self._file
         if f is None:
             raise TransportError(f"{self.name}: the file is not open")
-        start = f.tell() if f.seekable() else None
-        try:
+        if self.path == "-":  # buffered, usually a pipe: nothing to roll back
             f.write(chunk)
             f.flush()
+            return
+        start = f.tell() if f.seekable() else None  # a FIFO or a device cannot roll back
+        try:
+            view = memoryview(chunk)
+            while view:
+                view = view[f.write(view) :]  # a raw write may be partial
         except OSError:
             if start is not None:
                 # Undo a partial write so the retry starts from a clean line.
@@ -71,6 +123,8 @@ class FileSink(Sink):
                 except OSError:
                     pass
             raise
+        if self.rotation is not None:
+            self.rotation.wrote()
 
     async def send(self, data: bytes, batch: EventBatch) -> None:
         await anyio.to_thread.run_sync(self._write, data, limiter=self._limiter)

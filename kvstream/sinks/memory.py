@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -40,9 +41,11 @@ class MemorySink(Sink):
 class QueueSink(Sink):
     """Hands batches, as objects, to an in-process consumer.
 
-    Iterate the sink (``async for batch in sink``) or read :attr:`receive_stream`.
-    The consumer's pace is the sink's pace: batches wait in the sink's bounded
-    outbox, under its policy, while the consumer is busy.
+    Iterate the sink (``async for batch in sink``: the loop ends once the sink is
+    closed and everything was handed over, and closes :attr:`receive_stream`), or
+    read :attr:`receive_stream` yourself and close it when done. The consumer's
+    pace is the sink's pace: batches wait in the sink's bounded outbox, under its
+    policy, while the consumer is busy.
     """
 
     def __init__(self, **options: Any) -> None:
@@ -65,5 +68,13 @@ class QueueSink(Sink):
             # The consumer sees the end of the stream once everything is delivered.
             self._send_stream.close()
 
-    def __aiter__(self) -> MemoryObjectReceiveStream[EventBatch]:
-        return self.receive_stream
+    def __aiter__(self) -> AsyncIterator[EventBatch]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[EventBatch]:
+        receive = self.receive_stream
+        try:
+            async for batch in receive:
+                yield batch
+        finally:
+            receive.close()

@@ -196,7 +196,8 @@ class SourceHandle:
                 self.source  # type: ignore[arg-type]
             )
             try:
-                await self._pull(iterator)
+                if not self._removed:  # removed before it ran: never ask it for an item
+                    await self._pull(iterator)
             except Exception as exc:
                 self._report(exc)
             finally:
@@ -220,6 +221,10 @@ class SourceHandle:
                 events = check_events(item, f"source {self.name}")
                 self.buffer.extend(events)
                 self.accepted += len(events)
+            if self._removed:
+                # Stop asking: an item produced while the removal (or the close)
+                # was under way is kept, but no other is accepted afterwards.
+                return
             if len(self.buffer) >= self.max_pending:
                 # Backpressure: wait for a tick to take what is buffered.
                 drained = self._drained = anyio.Event()

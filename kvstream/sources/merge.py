@@ -12,7 +12,7 @@ sees anything, and a source that raises is reported by its own driver.
 
 from __future__ import annotations
 
-import math
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -31,22 +31,41 @@ async def _drive(handle: SourceHandle) -> AsyncIterator[SourceHandle]:
 
 
 class SourceMerger:
-    """Runs async sources under aiostream's merge; ``add`` works while running."""
+    """Runs async sources under aiostream's merge; ``add`` works while running.
+
+    Sources added before :meth:`run` wait in a queue (of handles: one per source,
+    not per event). It holds no resource, so a scheduler that is never started
+    leaves nothing to close.
+    """
 
     def __init__(self) -> None:
-        self._send, self._receive = anyio.create_memory_object_stream[SourceHandle](math.inf)
+        self._added: deque[SourceHandle] = deque()
+        self._closed = False
+        self._wakeup: anyio.Event | None = None
 
     def add(self, handle: SourceHandle) -> None:
-        self._send.send_nowait(handle)
+        self._added.append(handle)
+        self._wake()
 
     def close(self) -> None:
         """No more sources: :meth:`run` returns once the running ones have ended."""
-        self._send.close()
+        self._closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        wakeup, self._wakeup = self._wakeup, None
+        if wakeup is not None:
+            wakeup.set()
 
     async def _drivers(self) -> AsyncIterator[AsyncIterator[SourceHandle]]:
-        async with self._receive:
-            async for handle in self._receive:
-                yield _drive(handle)
+        added = self._added
+        while True:
+            while added:
+                yield _drive(added.popleft())
+            if self._closed:
+                return
+            wakeup = self._wakeup = anyio.Event()
+            await wakeup.wait()
 
     async def run(self, on_done: Callable[[SourceHandle], None]) -> None:
         """Drive every source until :meth:`close` and all sources have ended."""

@@ -1,0 +1,173 @@
+"""``kvstream index``: follow a stream into a prefix index and answer queries over HTTP.
+
+``kvstream index URL`` reads batches from any subscriber URL (a JSON-lines file,
+followed as it grows; ZMQ, NATS, Redis, ...), keeps a
+:class:`~kvstream.index.PrefixIndex` and serves ``POST /match`` and
+``GET /stats`` on 127.0.0.1. It runs until Ctrl-C or SIGTERM, and keeps
+answering from what it has if the stream ends.
+
+``kvstream index --demo`` routes simulated requests over simulated engines with
+the index and at random, and prints both hit rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from typing import Any
+
+import anyio
+
+from kvstream.config import open_subscriber, parse_url
+from kvstream.consumers.base import Gap
+from kvstream.errors import ConfigError
+from kvstream.index.demo import RoutingResult, compare_routing
+from kvstream.index.http import QueryServer
+from kvstream.index.prefix import PrefixIndex
+
+__all__ = ["register", "run"]
+
+DEFAULT_PORT = 5690
+
+EXAMPLES = """\
+examples:
+  kvstream index kv.jsonl                         follow a file, serve on 127.0.0.1:5690
+  kvstream index zmq+tcp://127.0.0.1:5557 --port 0
+  curl -s localhost:5690/match -d '{"token_ids": [1, 2, 3, 4]}'
+  curl -s localhost:5690/stats
+  kvstream index --demo --engines 4 --requests 2000
+"""
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "index",
+        help="follow a stream into a prefix index; answer /match and /stats over HTTP",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("url", nargs="?", metavar="URL", help="the stream to follow (a subscriber URL)")
+    p.add_argument("--block-size", type=int, default=16, help="the engines' block size (16)")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (127.0.0.1)")
+    p.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"port; 0 = any free port ({DEFAULT_PORT})"
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="largest request body accepted (4194304)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="the index's hash seed; the demo's too (0)")
+    p.add_argument("--demo", action="store_true", help="compare index and random routing")
+    p.add_argument("--engines", type=int, default=4, help="demo: simulated engines (4)")
+    p.add_argument("--requests", type=int, default=2000, help="demo: requests routed (2000)")
+    p.add_argument("--gpu-blocks", type=int, default=1024, help="demo: GPU blocks per engine")
+    p.set_defaults(func=run)
+
+
+async def run(args: argparse.Namespace) -> int:
+    if args.demo:
+        if args.url:
+            raise ConfigError(f"--demo takes no URL, got {args.url!r}")
+        return _demo(args)
+    if not args.url:
+        raise ConfigError(
+            "URL: expected the stream to follow (file:PATH, zmq+tcp://..., nats://..., "
+            "redis://...), or --demo"
+        )
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port: expected 0-65535, got {args.port}")
+    index = PrefixIndex(block_size=args.block_size, seed=args.seed)
+    kwargs: dict[str, Any] = {"follow": True} if parse_url(args.url).scheme == "file" else {}
+    subscriber = open_subscriber(args.url, **kwargs)
+    stopped_by: str | None = None
+    async with (
+        subscriber,
+        QueryServer(
+            index, host=args.host, port=args.port, max_request_bytes=args.max_request_bytes
+        ) as server,
+        anyio.create_task_group() as tg,
+    ):
+        print(
+            f"kvstream index: following {args.url}; serving {server.url}/ "
+            "(POST /match, GET /stats)",
+            flush=True,
+        )
+
+        async def watch_signals() -> None:
+            nonlocal stopped_by
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    stopped_by = signal.Signals(signum).name
+                    tg.cancel_scope.cancel()
+                    return
+
+        async def follow() -> None:
+            iterator = aiter(subscriber)
+            try:
+                async for item in iterator:
+                    if isinstance(item, Gap):
+                        print(
+                            f"kvstream index: {item.origin}: batches {item.first_missing}.."
+                            f"{item.next_seq - 1} missing ({item.reason}); marked stale",
+                            file=sys.stderr,
+                        )
+                    index.apply(item)
+            finally:
+                aclose = getattr(iterator, "aclose", None)
+                if aclose is not None:
+                    with anyio.CancelScope(shield=True):
+                        await aclose()
+            print("kvstream index: the stream ended; still serving", file=sys.stderr)
+
+        tg.start_soon(watch_signals)
+        tg.start_soon(follow)
+    stats = index.statistics()
+    if stopped_by:
+        print(f"kvstream index: stopped by {stopped_by}", file=sys.stderr)
+    print(
+        f"kvstream index: {stats.batches:,} batches, {stats.distinct_blocks:,} blocks "
+        f"over {len(stats.origins)} origin(s); {server.requests:,} queries served",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _describe(result: RoutingResult) -> str:
+    return (
+        f"  {result.policy + ' routing':<15}: hit rate {100 * result.hit_rate:5.1f}% "
+        f"({result.blocks_hit:,} of {result.blocks_requested:,} prompt blocks cached "
+        f"on the chosen engine; requests per engine {result.load})"
+    )
+
+
+def _demo(args: argparse.Namespace) -> int:
+    indexed, randomly = compare_routing(
+        engines=args.engines,
+        requests=args.requests,
+        seed=args.seed,
+        block_size=args.block_size,
+        gpu_blocks=args.gpu_blocks,
+    )
+    print(
+        f"kvstream index demo: {args.engines} simulated engines, {args.requests:,} requests "
+        f"(seed {args.seed}, block size {args.block_size}, {args.gpu_blocks} GPU blocks each)"
+    )
+    print(_describe(indexed))
+    print(_describe(randomly))
+    stats = indexed.index
+    if stats is not None:
+        tiers: dict[str, int] = {}
+        for origin in stats.origins.values():
+            for medium, n in origin.by_medium.items():
+                tiers[medium] = tiers.get(medium, 0) + n
+        per_tier = ", ".join(f"{m} {n:,}" for m, n in tiers.items())
+        mean = 1e6 * indexed.match_seconds / indexed.matches if indexed.matches else 0.0
+        print(
+            f"  index: {stats.distinct_blocks:,} distinct blocks ({per_tier}), "
+            f"about {stats.memory_bytes / 2**20:.1f} MiB; mean match {mean:.0f} µs"
+        )
+    return 0

@@ -1,0 +1,772 @@
+"""vLLM's msgpack wire: the batch ``[ts, events, data_parallel_rank]``, byte for byte.
+
+The payload frame vLLM (and SGLang, TensorRT-LLM) publish over ZMQ is one
+msgpack array of exactly three elements (Dynamo fails on two)::
+
+    [ts, [event, ...], data_parallel_rank]
+
+Events come in two profiles, both produced here with msgspec Structs that mirror
+vLLM's declarations field for field, so the bytes are the ones vLLM's own
+structs write:
+
+* ``map`` (current vLLM, the default): ``{"type": "BlockStored", ...}``. The
+  seven fields vLLM declares without a default are always present; the later,
+  optional ones only when set.
+* ``positional`` (legacy vLLM, SGLang, older llm-d decoders): an array, tag
+  first, then every field in declaration order, trailing nils included, laid
+  out as vLLM did before ``locality`` existed (``BlockStored`` 12 elements,
+  ``BlockRemoved`` 4). An event whose ``locality`` is set gets the later,
+  one-longer layout (13 and 5 elements) instead of losing it.
+
+``metadata`` is not part of vLLM's format: it is left out unless
+``metadata=True``, which adds it as one more map key (never in ``positional``).
+
+``strict`` shapes the stream for consumers that drop what they dislike (Dynamo
+rejects bytes hashes, cannot read negative ones, and maps an unknown ``medium``
+to GPU). ``strict="refuse"`` leaves such events out of the batch;
+``strict="convert"`` turns a bytes hash into the low 64 bits of the digest (what
+vLLM does by default) and a negative one into its unsigned 64-bit form, and
+refuses only what it cannot convert. The batch itself is never refused: its
+``seq`` stays used. :meth:`MsgpackCodec.encode_screened` returns what was
+refused, so a sink can count and log it (the ZMQ sink does).
+
+Decoding accepts both profiles, positional arrays of every length a vLLM
+version produced (``BlockStored`` from 6 elements, tag included, up; trailing
+elements a later version might add are ignored, as msgspec does), batches of
+2 elements (no rank) and a batch written as a map.
+
+msgpack carries no ``seq``, ``origin`` or ``epoch``: the transport knows them,
+so :meth:`MsgpackCodec.decode` takes them as keyword arguments (0 and "" when
+not given). Bytes that are not one valid batch raise
+:class:`~kvstream.errors.DecodeError` naming what was wrong, and nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, TypeAlias, get_args
+
+import msgspec
+
+from kvstream.errors import ConfigError, DecodeError, KVStreamError
+from kvstream.events import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVCacheEvent,
+)
+
+if TYPE_CHECKING:
+    from kvstream.config import Options
+
+__all__ = [
+    "STRICT_MEDIA",
+    "MsgpackCodec",
+    "Profile",
+    "Refusal",
+    "Strictness",
+    "codec_from_options",
+]
+
+Profile: TypeAlias = Literal["map", "positional"]
+#: ``None``: write what vLLM would; ``refuse``: leave out what strict consumers
+#: reject; ``convert``: convert hashes where vLLM converts, refuse the rest.
+Strictness: TypeAlias = Literal["refuse", "convert"] | None
+
+PROFILES: Final[tuple[str, ...]] = get_args(Profile)
+STRICTNESS: Final[tuple[str, ...]] = ("refuse", "convert")
+
+#: The tiers strict consumers know; any other ``medium`` is refused in strict mode.
+STRICT_MEDIA: Final = frozenset({"GPU", "CPU", "CPU_PINNED", "DISK", "EXTERNAL"})
+
+_U64_MASK: Final = (1 << 64) - 1
+
+
+# -- the wire structs: vLLM's declarations, field for field ---------------------------
+#
+# Map profile: tagged maps, "type" first, fields with a default omitted when at it.
+
+
+class _StoredMap(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True, gc=False):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[list[Any] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+
+
+class _StoredMapMeta(
+    msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True, gc=False
+):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[list[Any] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class _RemovedMap(
+    msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True, gc=False
+):
+    block_hashes: list[BlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+
+
+class _RemovedMapMeta(
+    msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True, gc=False
+):
+    block_hashes: list[BlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class _ClearedMap(
+    msgspec.Struct, tag="AllBlocksCleared", tag_field="type", omit_defaults=True, gc=False
+):
+    pass
+
+
+class _ClearedMapMeta(
+    msgspec.Struct, tag="AllBlocksCleared", tag_field="type", omit_defaults=True, gc=False
+):
+    metadata: dict[str, Any] | None = None
+
+
+# Positional profile: arrays, tag first, every field (msgspec never shortens arrays).
+
+
+class _StoredPos(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[list[Any] | None] | None
+    group_idx: int | None
+    kv_cache_spec_kind: str | None
+    kv_cache_spec_sliding_window: int | None
+
+
+class _StoredPosLocality(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[list[Any] | None] | None
+    group_idx: int | None
+    kv_cache_spec_kind: str | None
+    kv_cache_spec_sliding_window: int | None
+    locality: str | None
+
+
+class _RemovedPos(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
+    block_hashes: list[BlockHash]
+    medium: str | None
+    group_idx: int | None
+
+
+class _RemovedPosLocality(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
+    block_hashes: list[BlockHash]
+    medium: str | None
+    group_idx: int | None
+    locality: str | None
+
+
+class _ClearedPos(msgspec.Struct, tag="AllBlocksCleared", array_like=True, gc=False):
+    pass
+
+
+class _WireBatch(msgspec.Struct, array_like=True, gc=False):
+    """vLLM's batch: always three elements."""
+
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None
+
+
+class _MapBatchIn(msgspec.Struct, array_like=True, gc=False):
+    """Decoding fast path: map events straight into kvstream's own (validating) events."""
+
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+# -- encoding: one function per (event type, profile), chosen by a table ------------------
+
+
+def _stored_map(e: BlockStored) -> Any:
+    return _StoredMap(
+        e.block_hashes,
+        e.parent_block_hash,
+        e.token_ids,
+        e.block_size,
+        e.lora_id,
+        e.medium,
+        e.lora_name,
+        e.extra_keys,
+        e.group_idx,
+        e.kv_cache_spec_kind,
+        e.kv_cache_spec_sliding_window,
+        e.locality,
+    )
+
+
+def _stored_map_meta(e: BlockStored) -> Any:
+    return _StoredMapMeta(
+        e.block_hashes,
+        e.parent_block_hash,
+        e.token_ids,
+        e.block_size,
+        e.lora_id,
+        e.medium,
+        e.lora_name,
+        e.extra_keys,
+        e.group_idx,
+        e.kv_cache_spec_kind,
+        e.kv_cache_spec_sliding_window,
+        e.locality,
+        e.metadata,
+    )
+
+
+def _stored_pos(e: BlockStored) -> Any:
+    if e.locality is None:
+        return _StoredPos(
+            e.block_hashes,
+            e.parent_block_hash,
+            e.token_ids,
+            e.block_size,
+            e.lora_id,
+            e.medium,
+            e.lora_name,
+            e.extra_keys,
+            e.group_idx,
+            e.kv_cache_spec_kind,
+            e.kv_cache_spec_sliding_window,
+        )
+    return _StoredPosLocality(
+        e.block_hashes,
+        e.parent_block_hash,
+        e.token_ids,
+        e.block_size,
+        e.lora_id,
+        e.medium,
+        e.lora_name,
+        e.extra_keys,
+        e.group_idx,
+        e.kv_cache_spec_kind,
+        e.kv_cache_spec_sliding_window,
+        e.locality,
+    )
+
+
+def _removed_map(e: BlockRemoved) -> Any:
+    return _RemovedMap(e.block_hashes, e.medium, e.group_idx, e.locality)
+
+
+def _removed_map_meta(e: BlockRemoved) -> Any:
+    return _RemovedMapMeta(e.block_hashes, e.medium, e.group_idx, e.locality, e.metadata)
+
+
+def _removed_pos(e: BlockRemoved) -> Any:
+    if e.locality is None:
+        return _RemovedPos(e.block_hashes, e.medium, e.group_idx)
+    return _RemovedPosLocality(e.block_hashes, e.medium, e.group_idx, e.locality)
+
+
+_CLEARED_MAP: Final = _ClearedMap()
+_CLEARED_POS: Final = _ClearedPos()
+
+
+def _cleared_map(e: AllBlocksCleared) -> Any:
+    return _CLEARED_MAP
+
+
+def _cleared_map_meta(e: AllBlocksCleared) -> Any:
+    return _CLEARED_MAP if e.metadata is None else _ClearedMapMeta(e.metadata)
+
+
+def _cleared_pos(e: AllBlocksCleared) -> Any:
+    return _CLEARED_POS
+
+
+_ToWire: TypeAlias = Callable[[Any], Any]
+
+#: (profile, metadata) -> {event type: converter}. Fixed at import time.
+_TO_WIRE: Final[dict[tuple[str, bool], dict[type, _ToWire]]] = {
+    ("map", False): {
+        BlockStored: _stored_map,
+        BlockRemoved: _removed_map,
+        AllBlocksCleared: _cleared_map,
+    },
+    ("map", True): {
+        BlockStored: _stored_map_meta,
+        BlockRemoved: _removed_map_meta,
+        AllBlocksCleared: _cleared_map_meta,
+    },
+    ("positional", False): {
+        BlockStored: _stored_pos,
+        BlockRemoved: _removed_pos,
+        AllBlocksCleared: _cleared_pos,
+    },
+}
+
+
+# -- strict screening -------------------------------------------------------------------
+
+
+class Refusal(NamedTuple):
+    """An event a strict codec left out of a batch, and why."""
+
+    #: Position of the event in the batch it came in.
+    position: int
+    event_type: str
+    reason: str
+
+
+def _u64(h: BlockHash) -> int:
+    """A hash as strict consumers read it: bytes -> low 64 bits, negative -> unsigned."""
+    if type(h) is bytes:
+        return int.from_bytes(h, "big") & _U64_MASK
+    return h & _U64_MASK  # type: ignore[operator]
+
+
+def _hashes_ok(hashes: list[BlockHash]) -> bool:
+    """True when every hash is an integer in [0, 2**64) (checked in C)."""
+    try:
+        array("Q", hashes)  # type: ignore[type-var]
+    except (TypeError, OverflowError):
+        return False
+    return True
+
+
+def _bad_hash_reason(event: str, hashes: list[BlockHash], parent: BlockHash | None) -> str:
+    for i, h in enumerate(hashes):
+        if type(h) is bytes:
+            return (
+                f"{event}.block_hashes[{i}] is {len(h)} bytes; strict consumers need "
+                "64-bit unsigned integers (strict=convert sends the low 64 bits)"
+            )
+        if type(h) is int and h < 0:
+            return (
+                f"{event}.block_hashes[{i}] is negative ({h}); strict consumers need "
+                "64-bit unsigned integers (strict=convert sends its unsigned form)"
+            )
+    if type(parent) is bytes:
+        return (
+            f"{event}.parent_block_hash is {len(parent)} bytes; strict consumers need "
+            "a 64-bit unsigned integer (strict=convert sends the low 64 bits)"
+        )
+    return (
+        f"{event}.parent_block_hash is negative ({parent!r}); strict consumers need "
+        "a 64-bit unsigned integer (strict=convert sends its unsigned form)"
+    )
+
+
+# -- decoding ---------------------------------------------------------------------------
+
+_STORED_FIELDS: Final = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+)
+_REMOVED_FIELDS: Final = ("block_hashes", "medium", "group_idx", "locality")
+
+#: tag -> (event type, positional field order, fewest fields any version sent).
+_POSITIONAL: Final[dict[str, tuple[type[KVCacheEvent], tuple[str, ...], int]]] = {
+    # vLLM's first KV events (2025) had 5 BlockStored fields (through lora_id) and
+    # 1 BlockRemoved field; every later field was appended with a default.
+    "BlockStored": (BlockStored, _STORED_FIELDS, 5),
+    "BlockRemoved": (BlockRemoved, _REMOVED_FIELDS, 1),
+    "AllBlocksCleared": (AllBlocksCleared, (), 0),
+}
+_MAP_FIELDS: Final[dict[str, frozenset[str]]] = {
+    "BlockStored": frozenset((*_STORED_FIELDS, "metadata")),
+    "BlockRemoved": frozenset((*_REMOVED_FIELDS, "metadata")),
+    "AllBlocksCleared": frozenset(("metadata",)),
+}
+_TAGS: Final = "'BlockStored', 'BlockRemoved' or 'AllBlocksCleared'"
+
+#: What a foreign decoder or a validator may raise on bad input.
+_BAD_INPUT: Final = (
+    msgspec.DecodeError,
+    msgspec.ValidationError,
+    KVStreamError,
+    ValueError,
+    TypeError,
+    OverflowError,
+    RecursionError,
+    KeyError,
+    IndexError,
+)
+
+
+def _short(value: object) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
+
+
+def _event_from_wire(raw: Any) -> KVCacheEvent:
+    """One event from its decoded msgpack form (a tagged map or a tagged array)."""
+    if type(raw) is dict:
+        tag = raw.get("type")
+        spec = _POSITIONAL.get(tag) if type(tag) is str else None
+        if spec is None:
+            raise DecodeError(f"type: expected {_TAGS}, got {_short(tag)}")
+        known = _MAP_FIELDS[spec[0].type_name]
+        # Keys a later vLLM may add are ignored, as msgspec does.
+        fields = {k: v for k, v in raw.items() if k in known}
+        return spec[0](**fields)
+    if type(raw) is list:
+        if not raw:
+            raise DecodeError("expected a tagged event array, got an empty array")
+        tag = raw[0]
+        spec = _POSITIONAL.get(tag) if type(tag) is str else None
+        if spec is None:
+            raise DecodeError(f"tag (element 0): expected {_TAGS}, got {_short(tag)}")
+        cls, names, fewest = spec
+        n = len(raw) - 1
+        if n < fewest:
+            raise DecodeError(
+                f"{tag}: expected at least {fewest} fields after the tag "
+                f"({', '.join(names[:fewest])}), got {n}"
+            )
+        # Trailing elements beyond what we know (a later version) are ignored.
+        return cls(**dict(zip(names, raw[1:], strict=False)))
+    raise DecodeError(f"expected an event (a tagged map or array), got {_short(raw)}")
+
+
+def _batch_parts(obj: Any) -> tuple[Any, Any, Any]:
+    """``(ts, events, data_parallel_rank)`` of a decoded batch, array or map."""
+    if type(obj) is list:
+        # vLLM always writes 3; some producers 2 (no rank); more is a later
+        # version's addition, ignored as msgspec (vLLM's own decoder) ignores it.
+        if len(obj) < 2:
+            raise DecodeError(
+                "batch: expected an array [ts, events, data_parallel_rank] of 3 "
+                f"elements, got {len(obj)} element(s)"
+            )
+        return obj[0], obj[1], obj[2] if len(obj) >= 3 else None
+    if type(obj) is dict:
+        unknown = obj.keys() - {"ts", "events", "data_parallel_rank"}
+        if unknown:
+            raise DecodeError(f"batch: unknown key(s) {_short(sorted(map(str, unknown)))}")
+        if "ts" not in obj or "events" not in obj:
+            raise DecodeError("batch: a map batch needs the keys 'ts' and 'events'")
+        return obj["ts"], obj["events"], obj.get("data_parallel_rank")
+    raise DecodeError(
+        f"batch: expected an array [ts, events, data_parallel_rank], got {_short(obj)}"
+    )
+
+
+class MsgpackCodec:
+    """vLLM's msgpack batch; see the module doc for profiles and strictness.
+
+    ::
+
+        codec = MsgpackCodec()                       # map events, as vLLM v0.26+
+        codec = MsgpackCodec(profile="positional")   # tagged arrays, older readers
+        payload = codec.encode(batch)
+        batch = codec.decode(payload, seq=12, origin="engine-0", epoch="e1")
+
+    Pure and reusable; equal configurations compare equal, so sinks sharing a
+    configuration share encodings.
+    """
+
+    name = "msgpack"
+    self_delimiting = False
+
+    __slots__ = ("_map_decoder", "_media", "_to_wire", "metadata", "profile", "strict")
+
+    def __init__(
+        self,
+        *,
+        profile: Profile = "map",
+        metadata: bool = False,
+        strict: Strictness = None,
+        strict_media: Sequence[str] | None = None,
+    ) -> None:
+        if profile not in PROFILES:
+            raise ConfigError(
+                f"msgpack codec: profile: expected one of {', '.join(PROFILES)}, got {profile!r}"
+            )
+        if type(metadata) is not bool:
+            raise ConfigError(f"msgpack codec: metadata: expected a bool, got {metadata!r}")
+        if metadata and profile == "positional":
+            raise ConfigError(
+                "msgpack codec: metadata: the positional profile cannot carry metadata "
+                "(readers index fields by position); use profile=map"
+            )
+        if strict is not None and strict not in STRICTNESS:
+            raise ConfigError(
+                f"msgpack codec: strict: expected one of {', '.join(STRICTNESS)} or None, "
+                f"got {strict!r}"
+            )
+        if strict is not None and metadata:
+            raise ConfigError(
+                "msgpack codec: metadata: strict consumers must not see metadata; "
+                "use metadata=False with strict"
+            )
+        if strict_media is None:
+            media = STRICT_MEDIA
+        else:
+            if isinstance(strict_media, str) or not all(type(m) is str and m for m in strict_media):
+                raise ConfigError(
+                    f"msgpack codec: strict_media: expected a list of tier names, "
+                    f"got {strict_media!r}"
+                )
+            media = frozenset(strict_media)
+        self.profile: Profile = profile
+        self.metadata = metadata
+        self.strict: Strictness = strict
+        self._media: frozenset[str] = media
+        self._to_wire = _TO_WIRE[(profile, metadata)]
+        self._map_decoder = msgspec.msgpack.Decoder(_MapBatchIn)
+
+    @property
+    def strict_media(self) -> frozenset[str]:
+        """The ``medium`` values a strict codec lets through (besides None)."""
+        return self._media
+
+    def _key(self) -> tuple[object, ...]:
+        return (self.profile, self.metadata, self.strict, self._media)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is MsgpackCodec and other._key() == self._key()
+
+    def __hash__(self) -> int:
+        return hash((MsgpackCodec, *self._key()))
+
+    def __repr__(self) -> str:
+        media = "" if self._media == STRICT_MEDIA else f", strict_media={sorted(self._media)!r}"
+        return (
+            f"MsgpackCodec(profile={self.profile!r}, metadata={self.metadata}, "
+            f"strict={self.strict!r}{media})"
+        )
+
+    # -- encoding ---------------------------------------------------------------------
+
+    def encode(self, batch: EventBatch) -> bytes:
+        """The payload frame of ``batch``: ``[ts, events, data_parallel_rank]``."""
+        if self.strict is not None:
+            return self.encode_screened(batch)[0]
+        to_wire = self._to_wire
+        try:
+            events = [to_wire[type(e)](e) for e in batch.events]
+        except KeyError:
+            bad = next(e for e in batch.events if type(e) not in to_wire)
+            raise TypeError(f"MsgpackCodec: expected a KV cache event, got {bad!r:.80}") from None
+        return _ENCODE(_WireBatch(batch.ts, events, batch.data_parallel_rank))
+
+    def encode_screened(self, batch: EventBatch) -> tuple[bytes, tuple[Refusal, ...]]:
+        """Encode ``batch`` through the strict screen; return the bytes and what was refused.
+
+        Without ``strict`` nothing is refused (the same bytes as :meth:`encode`).
+        """
+        if self.strict is None:
+            return self.encode(batch), ()
+        kept, refused = self.screen(batch.events)
+        to_wire = self._to_wire
+        events = [to_wire[type(e)](e) for e in kept]
+        data = _ENCODE(_WireBatch(batch.ts, events, batch.data_parallel_rank))
+        return data, refused
+
+    def screen(
+        self, events: Sequence[KVCacheEvent]
+    ) -> tuple[list[KVCacheEvent], tuple[Refusal, ...]]:
+        """Apply the strict profile: the events to send (converted) and those refused."""
+        strict = self.strict
+        if strict is None:
+            return list(events), ()
+        media = self._media
+        convert = strict == "convert"
+        kept: list[KVCacheEvent] = []
+        refused: list[Refusal] = []
+        for i, e in enumerate(events):
+            t = type(e)
+            if t is BlockStored:
+                stored: BlockStored = e  # type: ignore[assignment]
+                if stored.medium is not None and stored.medium not in media:
+                    refused.append(Refusal(i, "BlockStored", _medium_reason(stored.medium, media)))
+                    continue
+                parent = stored.parent_block_hash
+                parent_ok = parent is None or (type(parent) is int and parent >= 0)
+                if not (parent_ok and _hashes_ok(stored.block_hashes)):
+                    if not convert:
+                        refused.append(
+                            Refusal(
+                                i,
+                                "BlockStored",
+                                _bad_hash_reason("BlockStored", stored.block_hashes, parent),
+                            )
+                        )
+                        continue
+                    e = msgspec.structs.replace(
+                        stored,
+                        block_hashes=[_u64(h) for h in stored.block_hashes],
+                        parent_block_hash=None if parent is None else _u64(parent),
+                    )
+            elif t is BlockRemoved:
+                removed: BlockRemoved = e  # type: ignore[assignment]
+                if removed.medium is not None and removed.medium not in media:
+                    refused.append(
+                        Refusal(i, "BlockRemoved", _medium_reason(removed.medium, media))
+                    )
+                    continue
+                if not _hashes_ok(removed.block_hashes):
+                    if not convert:
+                        refused.append(
+                            Refusal(
+                                i,
+                                "BlockRemoved",
+                                _bad_hash_reason("BlockRemoved", removed.block_hashes, None),
+                            )
+                        )
+                        continue
+                    e = msgspec.structs.replace(
+                        removed, block_hashes=[_u64(h) for h in removed.block_hashes]
+                    )
+            elif t is not AllBlocksCleared:
+                refused.append(Refusal(i, t.__name__, f"not a KV cache event: {e!r:.80}"))
+                continue
+            kept.append(e)
+        return kept, tuple(refused)
+
+    # -- decoding ---------------------------------------------------------------------
+
+    def decode(
+        self,
+        data: bytes | bytearray | memoryview,
+        *,
+        seq: int = 0,
+        origin: str = "",
+        epoch: str = "",
+    ) -> EventBatch:
+        """The batch in one payload frame; ``seq``/``origin``/``epoch`` come from the transport.
+
+        Raises :class:`DecodeError` (and nothing else) for anything that is not
+        one valid batch.
+        """
+        if type(seq) is not int or seq < 0:
+            raise DecodeError(f"seq: expected an int >= 0, got {seq!r}")
+        if self.profile == "map":
+            try:
+                fast = self._map_decoder.decode(data)
+            except _BAD_INPUT:
+                pass  # positional events, a map batch, or bad bytes: the general path
+            else:
+                ts = fast.ts
+                if math.isfinite(ts):
+                    try:
+                        return EventBatch(
+                            seq=seq,
+                            ts=ts,
+                            events=fast.events,  # type: ignore[arg-type]
+                            data_parallel_rank=fast.data_parallel_rank,
+                            origin=origin,
+                            epoch=epoch,
+                        )
+                    except KVStreamError as exc:
+                        raise DecodeError(str(exc)) from None
+        try:
+            obj = _DECODE_ANY(data)
+        except _BAD_INPUT as exc:
+            raise DecodeError(f"not a msgpack batch: {exc}") from None
+        return self._batch_from_wire(obj, seq, origin, epoch)
+
+    def _batch_from_wire(self, obj: Any, seq: int, origin: str, epoch: str) -> EventBatch:
+        ts, raw_events, rank = _batch_parts(obj)
+        if type(ts) is int and not isinstance(ts, bool):
+            ts = float(ts)
+        if type(ts) is not float or not math.isfinite(ts):
+            raise DecodeError(f"batch.ts: expected a finite float (seconds), got {_short(ts)}")
+        if rank is not None and type(rank) is not int:
+            raise DecodeError(
+                f"batch.data_parallel_rank: expected an int or nil, got {_short(rank)}"
+            )
+        if type(raw_events) is not list:
+            raise DecodeError(f"batch.events: expected an array, got {_short(raw_events)}")
+        events: list[KVCacheEvent] = []
+        for i, raw in enumerate(raw_events):
+            try:
+                events.append(_event_from_wire(raw))
+            except _BAD_INPUT as exc:
+                raise DecodeError(f"events[{i}]: {exc}") from None
+        try:
+            return EventBatch(
+                seq=seq,
+                ts=ts,
+                events=events,
+                data_parallel_rank=rank,
+                origin=origin,
+                epoch=epoch,
+            )
+        except KVStreamError as exc:
+            raise DecodeError(str(exc)) from None
+
+
+def _medium_reason(medium: str, media: frozenset[str]) -> str:
+    return (
+        f"medium {medium!r} is not one strict consumers know ({', '.join(sorted(media))}); "
+        "they would count it as GPU"
+    )
+
+
+_ENCODE: Final = msgspec.msgpack.Encoder().encode
+_DECODE_ANY: Final = msgspec.msgpack.Decoder().decode
+
+
+def codec_from_options(opts: Options) -> MsgpackCodec:
+    """The codec a URL's options describe (``kvstream.config``'s ``_CODECS`` entry).
+
+    ``profile=map|positional``, ``metadata=true|false``,
+    ``strict=refuse|convert|off``, ``strict_media=GPU,CPU,...``.
+    """
+    profile = opts.pop_choice("profile", PROFILES, "map")
+    metadata = opts.pop_bool("metadata")
+    strict = opts.pop_choice("strict", ("off", *STRICTNESS), "off")
+    media = opts.pop_str("strict_media")
+    return MsgpackCodec(
+        profile=profile,  # type: ignore[arg-type]
+        metadata=metadata,
+        strict=None if strict == "off" else strict,  # type: ignore[arg-type]
+        strict_media=None if media is None else [m.strip() for m in media.split(",") if m.strip()],
+    )

@@ -1,0 +1,754 @@
+"""ZMQ ingest: read vLLM / SGLang / TensorRT-LLM publishers, repairing gaps by replay.
+
+``zmq+tcp://HOST:PORT?replay=tcp://HOST:PORT2&origin=NAME`` (pyzmq, extra
+``zmq``). Each publisher is one origin (``origin=``, by default its endpoint
+without the scheme) and one sequence space. The subscriber connects a SUB to
+it (or binds, when the endpoint holds ``*``, for publishers that connect to a
+central consumer) and, when it has a replay endpoint, a DEALER to that.
+
+Per publisher it keeps continuity (:mod:`kvstream.wire.vllm_zmq` reads the
+frames):
+
+* **Start.** Without ``from_seq`` it joins at the first batch it hears. With
+  ``from_seq`` it asks for a replay from there at once and holds live batches
+  until the replay ends.
+* **Gaps.** A live batch past the next expected one starts a replay of what
+  is missing. While a replay is in flight, live batches wait in a bounded
+  reorder buffer; replayed and held batches are delivered in sequence order,
+  duplicates dropped by ``seq``. Both reply layouts (with and without the topic
+  frame) are read. Whatever the replay could not provide (older than the ring,
+  a timeout, no replay endpoint) is reported as a :class:`Gap` item, never
+  hidden. A buffer overflow drops the live batch (counted); the gap it leaves
+  is repaired by the next replay.
+* **Restarts.** PUB/SUB delivers in order and never twice, so a live ``seq``
+  that does not move forward (normally back to 0) means the publisher
+  restarted: the origin gets a new epoch, and batches it missed since are
+  asked from the new instance's ring.
+* **Malformed frames** (wrong frame count, a seq frame not 8 bytes, a payload
+  that does not decode) are skipped, counted and logged; a payload that does
+  not decode under a valid seq is reported as a one-batch :class:`Gap`.
+
+The protocol state of one publisher (:class:`PublisherStream`) does no I/O;
+:class:`ZmqSubscriber` moves frames between it and the sockets, all in the
+consumer's task (a :mod:`zmq.asyncio` poller; no task of its own).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
+
+import anyio
+
+from kvstream.codecs.msgpack import MsgpackCodec
+from kvstream.consumers.base import Gap, Subscriber, SubscriberItem
+from kvstream.errors import (
+    ClosedError,
+    ConfigError,
+    DecodeError,
+    MissingDependencyError,
+    TransportError,
+)
+from kvstream.wire.vllm_zmq import (
+    DEFAULT_HWM,
+    ReplayBatch,
+    endpoint_from_parts,
+    normalize_endpoint,
+    parse_live,
+    parse_replay_reply,
+    replay_request,
+)
+
+try:
+    import zmq
+    import zmq.asyncio
+except ImportError as exc:  # pragma: no cover - the extra is installed in tests
+    raise MissingDependencyError.for_extra("pyzmq", "zmq", exc) from exc
+
+if TYPE_CHECKING:
+    from kvstream.config import Options, ParsedURL
+
+__all__ = [
+    "PublisherStatistics",
+    "PublisherStream",
+    "ZmqPublisher",
+    "ZmqSubscriber",
+    "default_origin",
+]
+
+log = logging.getLogger("kvstream.consumers")
+
+DEFAULT_REPLAY_TIMEOUT: Final = 5.0
+DEFAULT_MAX_REORDER: Final = 10_000
+DEFAULT_MAX_REORDER_BYTES: Final = 64 * 1024 * 1024
+#: After a replay timed out, gaps are reported at once for this many timeouts.
+_SUSPEND_FACTOR: Final = 6.0
+#: Messages read from one socket before the others get a turn.
+_READ_BUDGET: Final = 256
+
+
+def default_origin(endpoint: str) -> str:
+    """The origin of a publisher nobody named: its endpoint without ``tcp://``."""
+    return endpoint[len("tcp://") :] if endpoint.startswith("tcp://") else endpoint
+
+
+def _new_epoch() -> str:
+    return secrets.token_hex(8)
+
+
+@dataclass(frozen=True)
+class ZmqPublisher:
+    """One upstream publisher: its live endpoint, replay endpoint and origin name."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    #: The origin its batches get; default: :func:`default_origin` of the endpoint.
+    origin: str | None = None
+    #: SUB subscription (a topic prefix); replies of other topics are ignored too.
+    topic: str = ""
+    #: Replay from this sequence number at start (needs ``replay_endpoint``).
+    from_seq: int | None = None
+    #: Override the rule (bind when the endpoint holds ``*``, else connect).
+    bind: bool | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "endpoint", normalize_endpoint(self.endpoint))
+        if self.replay_endpoint is not None:
+            object.__setattr__(
+                self, "replay_endpoint", normalize_endpoint(self.replay_endpoint, "replay")
+            )
+        if self.origin is not None and (type(self.origin) is not str or not self.origin):
+            raise ConfigError(f"origin: expected a non-empty str, got {self.origin!r}")
+        if self.from_seq is not None and (type(self.from_seq) is not int or self.from_seq < 0):
+            raise ConfigError(f"from_seq: expected an int >= 0, got {self.from_seq!r}")
+
+    @property
+    def origin_name(self) -> str:
+        return self.origin or default_origin(self.endpoint)
+
+    @property
+    def binds(self) -> bool:
+        return "*" in self.endpoint if self.bind is None else self.bind
+
+
+class PublisherStatistics(NamedTuple):
+    """Counters of one publisher's stream."""
+
+    origin: str
+    epoch: str
+    #: The next sequence number expected, None before the first batch.
+    next_seq: int | None
+    batches: int
+    events: int
+    gaps: int
+    #: Batches reported missing in those gaps.
+    missing: int
+    duplicates: int
+    #: Frames skipped: wrong frame count, bad seq frame, undecodable payload.
+    malformed: int
+    replays_requested: int
+    replays_completed: int
+    replays_timed_out: int
+    #: Replayed batches delivered (filling gaps).
+    replayed: int
+    #: Live batches dropped because the reorder buffer was full.
+    reorder_overflow: int
+    restarts: int
+
+
+class PublisherStream:
+    """Continuity, replay and reordering for one publisher. No I/O.
+
+    Feed it with :meth:`on_live`, :meth:`on_replay` and :meth:`on_timer`; each
+    returns the items now ready, in order. Replay requests it wants sent are
+    queued in :attr:`requests` (start sequence numbers); :attr:`reset_dealer`
+    asks for a new replay socket (so late replies to an abandoned request are
+    never mistaken for a new one's).
+    """
+
+    def __init__(
+        self,
+        origin: str,
+        *,
+        codec: MsgpackCodec,
+        has_replay: bool,
+        topic: bytes = b"",
+        replay_timeout: float = DEFAULT_REPLAY_TIMEOUT,
+        max_reorder: int = DEFAULT_MAX_REORDER,
+        max_reorder_bytes: int = DEFAULT_MAX_REORDER_BYTES,
+    ) -> None:
+        self.origin = origin
+        self.codec = codec
+        self.has_replay = has_replay
+        self.topic = topic
+        self.replay_timeout = replay_timeout
+        self.max_reorder = max_reorder
+        self.max_reorder_bytes = max_reorder_bytes
+        self.epoch = _new_epoch()
+        self.expected: int | None = None
+        self.last_live: int | None = None
+        self.replaying = False
+        self.replay_until: int | None = None
+        self.replay_deadline = math.inf
+        self.replay_suspended_until = -math.inf
+        self.held: dict[int, bytes] = {}
+        self.held_bytes = 0
+        self.requests: list[int] = []
+        self.reset_dealer = False
+        #: Set when the subscriber is stopping: no new replay starts.
+        self.stopping = False
+        self._malformed_burst = False
+        self._overflow_burst = False
+        # counters
+        self.batches = 0
+        self.events = 0
+        self.gaps = 0
+        self.missing = 0
+        self.duplicates = 0
+        self.malformed = 0
+        self.replays_requested = 0
+        self.replays_completed = 0
+        self.replays_timed_out = 0
+        self.replayed = 0
+        self.reorder_overflow = 0
+        self.restarts = 0
+
+    # -- inputs -------------------------------------------------------------------------
+
+    def start(self, from_seq: int | None, now: float) -> list[SubscriberItem]:
+        """Begin: from ``from_seq`` (replayed when possible) or at the first live batch."""
+        if from_seq is not None:
+            self.expected = from_seq
+            if self.has_replay:
+                self._begin_replay(from_seq, None, now)
+        return []
+
+    def on_live(self, seq: int, payload: bytes, now: float) -> list[SubscriberItem]:
+        """A live batch arrived."""
+        out: list[SubscriberItem] = []
+        self._malformed_burst = False
+        if self.last_live is not None and seq <= self.last_live:
+            out.extend(self._restart(seq))
+        self.last_live = seq
+        if self.replaying:
+            self._hold(seq, payload)
+            return out
+        expected = self.expected
+        if expected is None:
+            self.expected = seq
+        elif seq < expected:
+            self.duplicates += 1
+            return out
+        elif seq > expected:
+            if self._can_replay(now):
+                self._begin_replay(expected, seq, now)
+                self._hold(seq, payload)
+                return out
+            if not self.has_replay:
+                why = "no replay endpoint"
+            elif self.stopping:
+                why = "the subscriber is stopping"
+            else:
+                why = "replay suspended after a timeout"
+            out.append(self._gap(expected, seq, f"missed on the live stream ({why})"))
+        out.extend(self._deliver(seq, payload, replayed=False))
+        return out
+
+    def on_replay(self, reply: ReplayBatch | None, now: float) -> list[SubscriberItem]:
+        """A replay message arrived (None: the end marker)."""
+        if not self.replaying:
+            return []  # a late reply to an abandoned request
+        self.replay_deadline = now + self.replay_timeout
+        if reply is None:
+            self.replays_completed += 1
+            return self._finish_replay(now, None)
+        if reply.topic is not None and not reply.topic.startswith(self.topic):
+            return []  # another stream of a multi-origin publisher
+        expected = self.expected
+        assert expected is not None  # a replay always starts from a known position
+        seq = reply.seq
+        if seq < expected:
+            self.duplicates += 1
+            return []
+        out: list[SubscriberItem] = []
+        if seq > expected:
+            out.append(self._gap(expected, seq, "not in the publisher's replay ring"))
+        out.extend(self._deliver(seq, reply.payload, replayed=True))
+        return out
+
+    def on_timer(self, now: float) -> list[SubscriberItem]:
+        """Give up a replay that has not answered within the timeout."""
+        if self.replaying and now >= self.replay_deadline:
+            self.replays_timed_out += 1
+            self.reset_dealer = True
+            self.replay_suspended_until = now + _SUSPEND_FACTOR * self.replay_timeout
+            log.warning(
+                "origin %s: replay timed out after %g s; reporting the gap",
+                self.origin,
+                self.replay_timeout,
+            )
+            return self._finish_replay(now, f"replay timed out after {self.replay_timeout:g} s")
+        return []
+
+    def on_stop(self, now: float) -> list[SubscriberItem]:
+        """The subscriber stops: give up a replay in flight, deliver what is held."""
+        self.stopping = True
+        if self.replaying:
+            return self._finish_replay(now, "the subscriber stopped during a replay")
+        return []
+
+    def on_malformed(self, reason: str) -> None:
+        """A live or replay message that could not be read at all (no usable seq)."""
+        self.malformed += 1
+        if not self._malformed_burst:
+            self._malformed_burst = True
+            log.warning("origin %s: malformed message skipped: %s", self.origin, reason)
+
+    @property
+    def deadline(self) -> float:
+        return self.replay_deadline if self.replaying else math.inf
+
+    # -- the rules ----------------------------------------------------------------------
+
+    def _can_replay(self, now: float) -> bool:
+        return self.has_replay and not self.stopping and now >= self.replay_suspended_until
+
+    def _begin_replay(self, from_seq: int, until: int | None, now: float) -> None:
+        self.replaying = True
+        self.replay_until = until
+        self.replay_deadline = now + self.replay_timeout
+        self.requests.append(from_seq)
+        self.replays_requested += 1
+
+    def _hold(self, seq: int, payload: bytes) -> None:
+        expected = self.expected
+        if (expected is not None and seq < expected) or seq in self.held:
+            self.duplicates += 1
+            return
+        if (
+            len(self.held) >= self.max_reorder
+            or self.held_bytes + len(payload) > self.max_reorder_bytes
+        ):
+            self.reorder_overflow += 1
+            if not self._overflow_burst:
+                self._overflow_burst = True
+                log.warning(
+                    "origin %s: reorder buffer full (%d batches, %d bytes) while a replay "
+                    "is in flight; live batch %d dropped, to be replayed later",
+                    self.origin,
+                    len(self.held),
+                    self.held_bytes,
+                    seq,
+                )
+            return
+        self.held[seq] = payload
+        self.held_bytes += len(payload)
+
+    def _finish_replay(self, now: float, failure: str | None) -> list[SubscriberItem]:
+        """The replay ended: deliver the held live batches in order, handling what is left.
+
+        A gap below ``replay_until`` is one the ring could not fill (reported); a
+        gap at or past it was lost while the replay ran, so a new replay asks for
+        it (the rest stays held). Each new replay starts further on, so this ends.
+        """
+        self.replaying = False
+        self._overflow_burst = False
+        until, self.replay_until = self.replay_until, None
+        out: list[SubscriberItem] = []
+        for seq in sorted(self.held):
+            expected = self.expected
+            assert expected is not None
+            if seq < expected:
+                self.duplicates += 1
+                self.held_bytes -= len(self.held.pop(seq))
+                continue
+            if seq > expected:
+                unfilled = until is not None and expected < until
+                if failure is None and not unfilled and self._can_replay(now):
+                    self._begin_replay(expected, seq, now)
+                    return out
+                if failure is not None:
+                    reason = failure
+                elif unfilled:
+                    reason = "not in the publisher's replay ring"
+                else:
+                    reason = "missed on the live stream"
+                out.append(self._gap(expected, seq, reason))
+            payload = self.held.pop(seq)
+            self.held_bytes -= len(payload)
+            out.extend(self._deliver(seq, payload, replayed=False))
+        return out
+
+    def _restart(self, seq: int) -> list[SubscriberItem]:
+        """The live seq went back: the publisher restarted. Close the old epoch."""
+        out: list[SubscriberItem] = []
+        if self.replaying:
+            self.replaying = False
+            self.replay_until = None
+            self.reset_dealer = True
+            self.requests.clear()
+        for held_seq in sorted(self.held):
+            expected = self.expected
+            assert expected is not None
+            if held_seq > expected:
+                out.append(self._gap(expected, held_seq, "publisher restarted during a replay"))
+            if held_seq >= expected:
+                out.extend(self._deliver(held_seq, self.held[held_seq], replayed=False))
+        self.held.clear()
+        self.held_bytes = 0
+        self.restarts += 1
+        log.warning(
+            "origin %s: sequence went back from %s to %d: the publisher restarted (new epoch)",
+            self.origin,
+            self.last_live,
+            seq,
+        )
+        self.epoch = _new_epoch()
+        self.expected = 0  # a restarted publisher counts from 0
+        self.last_live = None
+        return out
+
+    def _gap(self, first: int, next_seq: int, reason: str) -> Gap:
+        self.gaps += 1
+        self.missing += next_seq - first
+        return Gap(self.origin, self.epoch, first, next_seq, reason)
+
+    def _deliver(self, seq: int, payload: bytes, *, replayed: bool) -> list[SubscriberItem]:
+        self.expected = seq + 1
+        try:
+            batch = self.codec.decode(payload, seq=seq, origin=self.origin, epoch=self.epoch)
+        except DecodeError as exc:
+            self.malformed += 1
+            log.warning("origin %s: batch %d does not decode, skipped: %s", self.origin, seq, exc)
+            return [self._gap(seq, seq + 1, f"undecodable payload: {exc}")]
+        self.batches += 1
+        self.events += len(batch.events)
+        if replayed:
+            self.replayed += 1
+        return [batch]
+
+    def statistics(self) -> PublisherStatistics:
+        return PublisherStatistics(
+            origin=self.origin,
+            epoch=self.epoch,
+            next_seq=self.expected,
+            batches=self.batches,
+            events=self.events,
+            gaps=self.gaps,
+            missing=self.missing,
+            duplicates=self.duplicates,
+            malformed=self.malformed,
+            replays_requested=self.replays_requested,
+            replays_completed=self.replays_completed,
+            replays_timed_out=self.replays_timed_out,
+            replayed=self.replayed,
+            reorder_overflow=self.reorder_overflow,
+            restarts=self.restarts,
+        )
+
+
+class _Link:
+    """The sockets of one publisher and its stream state."""
+
+    __slots__ = ("dealer", "spec", "stream", "sub")
+
+    def __init__(self, spec: ZmqPublisher, stream: PublisherStream) -> None:
+        self.spec = spec
+        self.stream = stream
+        self.sub: zmq.asyncio.Socket | None = None
+        self.dealer: zmq.asyncio.Socket | None = None
+
+
+class ZmqSubscriber(Subscriber):
+    """Batches from one or more vLLM-wire publishers, each its own origin.
+
+    ::
+
+        sub = ZmqSubscriber(ZmqPublisher("tcp://10.0.0.5:5557",
+                                         replay_endpoint="tcp://10.0.0.5:5558"))
+        async with sub:
+            async for item in sub:      # EventBatch or Gap, in order per origin
+                ...
+
+    ``codec`` reads both msgpack profiles. ``replay_timeout``: seconds without a
+    reply before a replay is given up. ``max_reorder`` / ``max_reorder_bytes``
+    bound the live batches held while a replay is in flight. ``hwm``: the SUB's
+    receive high-water mark.
+    """
+
+    def __init__(
+        self,
+        publishers: ZmqPublisher | Sequence[ZmqPublisher],
+        *,
+        codec: MsgpackCodec | None = None,
+        replay_timeout: float = DEFAULT_REPLAY_TIMEOUT,
+        max_reorder: int = DEFAULT_MAX_REORDER,
+        max_reorder_bytes: int = DEFAULT_MAX_REORDER_BYTES,
+        hwm: int = DEFAULT_HWM,
+        poll_interval: float = 0.1,
+    ) -> None:
+        specs = [publishers] if isinstance(publishers, ZmqPublisher) else list(publishers)
+        if not specs:
+            raise ConfigError("ZmqSubscriber: expected at least one publisher")
+        origins = [s.origin_name for s in specs]
+        if len(set(origins)) != len(origins):
+            raise ConfigError(f"ZmqSubscriber: origins must differ, got {origins!r}")
+        if not (replay_timeout > 0 and math.isfinite(replay_timeout)):
+            raise ConfigError(f"replay_timeout: expected seconds > 0, got {replay_timeout!r}")
+        for key, value in (("max_reorder", max_reorder), ("max_reorder_bytes", max_reorder_bytes)):
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"{key}: expected an int >= 1, got {value!r}")
+        self.codec = codec or MsgpackCodec()
+        self.hwm = hwm
+        self.poll_interval = poll_interval
+        self._links = [
+            _Link(
+                spec,
+                PublisherStream(
+                    spec.origin_name,
+                    codec=self.codec,
+                    has_replay=spec.replay_endpoint is not None,
+                    topic=spec.topic.encode(),
+                    replay_timeout=replay_timeout,
+                    max_reorder=max_reorder,
+                    max_reorder_bytes=max_reorder_bytes,
+                ),
+            )
+            for spec in specs
+        ]
+        self._gen: AsyncGenerator[SubscriberItem, None] | None = None
+        self._closed = False
+        self._stopping = False
+        self._stop_grace = 0.0
+        self._done = anyio.Event()
+
+    @property
+    def publishers(self) -> tuple[ZmqPublisher, ...]:
+        return tuple(link.spec for link in self._links)
+
+    def statistics(self) -> tuple[PublisherStatistics, ...]:
+        return tuple(link.stream.statistics() for link in self._links)
+
+    def __aiter__(self) -> AsyncIterator[SubscriberItem]:
+        if self._closed:
+            raise ClosedError("ZmqSubscriber: closed")
+        if self._gen is not None:
+            raise ClosedError("ZmqSubscriber: can be iterated only once")
+        self._gen = self._run()
+        return self._gen
+
+    def stop(self, grace: float = 2.0) -> None:
+        """End the iteration gracefully: deliver what has arrived, then stop.
+
+        Replays in flight get up to ``grace`` seconds to finish (no new one
+        starts); what they leave missing is reported as gaps. The iterator then
+        ends (``async for`` finishes) and the sockets are closed. Call it on the
+        event loop, from any task.
+        """
+        self._stopping = True
+        self._stop_grace = grace
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        gen = self._gen
+        if gen is None:
+            self._done.set()
+            return
+        if not getattr(gen, "ag_running", False):
+            await gen.aclose()
+        else:  # another task is inside the loop: it sees the flag within a poll interval
+            with anyio.move_on_after(max(2 * self.poll_interval, 1.0)):
+                await self._done.wait()
+
+    # -- the loop -------------------------------------------------------------------------
+
+    async def _run(self) -> AsyncGenerator[SubscriberItem, None]:
+        ctx = zmq.asyncio.Context()
+        poller = zmq.asyncio.Poller()
+        by_socket: dict[zmq.asyncio.Socket, tuple[_Link, bool]] = {}
+        try:
+            for link in self._links:
+                link.sub = self._open_sub(ctx, link.spec)
+                poller.register(link.sub, zmq.POLLIN)
+                by_socket[link.sub] = (link, False)
+                if link.spec.replay_endpoint is not None:
+                    self._open_dealer(ctx, poller, by_socket, link)
+            now = anyio.current_time()
+            pending: list[SubscriberItem] = []
+            for link in self._links:
+                pending.extend(link.stream.start(link.spec.from_seq, now))
+            stop_deadline: float | None = None
+            while True:
+                await self._send_requests(ctx, poller, by_socket)
+                if pending:
+                    items, pending = pending, []
+                    for item in items:
+                        yield item
+                    continue
+                if self._closed:
+                    break
+                now = anyio.current_time()
+                if self._stopping:
+                    if stop_deadline is None:
+                        stop_deadline = now + self._stop_grace
+                        for link in self._links:
+                            link.stream.stopping = True
+                    if now >= stop_deadline or not any(lk.stream.replaying for lk in self._links):
+                        # Last round: what already arrived, then what replays left held.
+                        for sock, (link, is_dealer) in list(by_socket.items()):
+                            pending.extend(await self._read(sock, link, is_dealer, now))
+                        for link in self._links:
+                            pending.extend(link.stream.on_stop(now))
+                        for item in pending:
+                            yield item
+                        break
+                deadline = min(link.stream.deadline for link in self._links)
+                if stop_deadline is not None:
+                    deadline = min(deadline, stop_deadline)
+                wait = min(self.poll_interval, max(deadline - now, 0.0))
+                ready = await poller.poll(math.ceil(wait * 1000))
+                now = anyio.current_time()
+                for sock, _ in ready:
+                    entry = by_socket.get(sock)
+                    if entry is not None:
+                        link, is_dealer = entry
+                        pending.extend(await self._read(sock, link, is_dealer, now))
+                for link in self._links:
+                    pending.extend(link.stream.on_timer(now))
+        finally:
+            for sock in list(by_socket):
+                sock.close(linger=0)
+            ctx.term()
+            self._done.set()
+
+    def _open_sub(self, ctx: zmq.asyncio.Context, spec: ZmqPublisher) -> zmq.asyncio.Socket:
+        sub = ctx.socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, self.hwm)
+            sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
+            if spec.binds:
+                sub.bind(spec.endpoint)
+            else:
+                sub.connect(spec.endpoint)
+        except zmq.ZMQError as exc:
+            sub.close(linger=0)
+            verb = "bind" if spec.binds else "connect"
+            raise TransportError(f"ZMQ subscriber: cannot {verb} {spec.endpoint}: {exc}") from exc
+        return sub
+
+    def _open_dealer(
+        self,
+        ctx: zmq.asyncio.Context,
+        poller: zmq.asyncio.Poller,
+        by_socket: dict[zmq.asyncio.Socket, tuple[_Link, bool]],
+        link: _Link,
+    ) -> None:
+        old = link.dealer
+        if old is not None:
+            poller.unregister(old)
+            by_socket.pop(old, None)
+            old.close(linger=0)
+            link.dealer = None
+        endpoint = link.spec.replay_endpoint
+        assert endpoint is not None
+        dealer = ctx.socket(zmq.DEALER)
+        try:
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(endpoint)
+        except zmq.ZMQError as exc:
+            dealer.close(linger=0)
+            raise TransportError(f"ZMQ subscriber: cannot connect {endpoint}: {exc}") from exc
+        poller.register(dealer, zmq.POLLIN)
+        by_socket[dealer] = (link, True)
+        link.dealer = dealer
+
+    async def _send_requests(
+        self,
+        ctx: zmq.asyncio.Context,
+        poller: zmq.asyncio.Poller,
+        by_socket: dict[zmq.asyncio.Socket, tuple[_Link, bool]],
+    ) -> None:
+        for link in self._links:
+            stream = link.stream
+            if stream.reset_dealer:
+                stream.reset_dealer = False
+                self._open_dealer(ctx, poller, by_socket, link)
+            while stream.requests:
+                start = stream.requests.pop(0)
+                dealer = link.dealer
+                assert dealer is not None
+                try:
+                    await dealer.send_multipart(replay_request(start), flags=zmq.NOBLOCK)
+                except zmq.ZMQError as exc:
+                    # Not sent (no connection yet, or a full pipe): the timeout reports it.
+                    log.warning(
+                        "origin %s: replay request from %d not sent: %s", stream.origin, start, exc
+                    )
+                else:
+                    log.info("origin %s: replay requested from seq %d", stream.origin, start)
+
+    async def _read(
+        self, sock: zmq.asyncio.Socket, link: _Link, is_dealer: bool, now: float
+    ) -> list[SubscriberItem]:
+        out: list[SubscriberItem] = []
+        stream = link.stream
+        for _ in range(_READ_BUDGET):
+            try:
+                frames = await sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            except zmq.ZMQError as exc:
+                raise TransportError(f"origin {stream.origin}: cannot receive: {exc}") from exc
+            try:
+                if is_dealer:
+                    out.extend(stream.on_replay(parse_replay_reply(frames), now))
+                else:
+                    live = parse_live(frames)
+                    out.extend(stream.on_live(live.seq, live.payload, now))
+            except DecodeError as exc:
+                stream.on_malformed(str(exc))
+                continue
+            if stream.requests or stream.reset_dealer:
+                break  # let the loop send the next replay request first
+        return out
+
+
+# -- URL factory (kvstream.config's _SUBSCRIBERS) ---------------------------------------------
+
+
+def subscriber_from_url(parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]) -> Subscriber:
+    """``zmq+tcp://HOST:PORT?replay=tcp://HOST:PORT2&origin=NAME&topic=...&from_seq=N``."""
+    endpoint = endpoint_from_parts(parsed.scheme, parsed.address, parsed.path, parsed.raw)
+    replay = opts.pop_str("replay")
+    bind = opts.pop_bool("bind") if "bind" in opts else None
+    origin = opts.pop_str("origin")
+    from_seq: Any = kwargs.pop("from_seq", None)
+    if isinstance(from_seq, Mapping):  # per origin, as kvstream.subscribe() allows
+        from_seq = from_seq.get(origin or default_origin(endpoint))
+    spec = ZmqPublisher(
+        endpoint,
+        replay_endpoint=None
+        if replay is None
+        else normalize_endpoint(replay, f"{parsed.raw}: replay"),
+        origin=origin,
+        topic=opts.pop_str("topic", "") or "",
+        from_seq=opts.pop_int("from_seq", from_seq),
+        bind=bind,
+    )
+    kwargs.pop("follow", None)  # a live stream is always followed
+    return ZmqSubscriber(
+        spec,
+        replay_timeout=opts.pop_float("replay_timeout", DEFAULT_REPLAY_TIMEOUT)
+        or DEFAULT_REPLAY_TIMEOUT,
+        max_reorder=opts.pop_int("max_reorder", DEFAULT_MAX_REORDER, minimum=1)
+        or DEFAULT_MAX_REORDER,
+        hwm=opts.pop_int("hwm", DEFAULT_HWM, minimum=0) or 0,
+        **kwargs,
+    )

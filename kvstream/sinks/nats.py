@@ -1,0 +1,332 @@
+"""NatsSink: one JetStream message per batch, acknowledged and de-duplicated.
+
+``nats://HOST:PORT/SUBJECT?stream=NAME&create=true`` (nats-py, extra ``nats``).
+Each batch is published to ``SUBJECT`` (default ``kv.events.<origin>``, see
+:mod:`kvstream.wire.broker`) with its name in headers and
+``Nats-Msg-Id: <origin>:<epoch>:<seq>``; the sink waits for JetStream's ack
+before the next batch, so batches are stored in order. When the server goes
+away the connection closes, ``send`` fails, and the base class retries the
+same batch with backoff after :meth:`NatsSink.recover` has reconnected; the
+retry carries the same message id, so a batch that was stored but whose ack
+was lost is dropped by the server as a duplicate (and, should the outage
+outlast the stream's duplicate window, the sink first asks the stream for the
+subject's last message and skips a batch it finds there).
+
+One batch is one message, never split: a batch whose message would exceed the
+server's ``max_payload`` (or the stream's ``max_msg_size``) is refused with a
+logged error and counted as dropped, which consumers see as a gap.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+import anyio
+
+from kvstream.codecs.json import JsonCodec
+from kvstream.errors import ConfigError, TransportError
+from kvstream.events import EventBatch
+from kvstream.sinks.base import Sink
+from kvstream.wire.broker import (
+    DEFAULT_NATS_STREAM,
+    DEFAULT_SUBJECT_FILTER,
+    check_subject,
+    client_url,
+    default_subject,
+    key_from_headers,
+    nats_headers,
+    nats_headers_size,
+)
+from kvstream.wire.nats_client import (
+    close_quietly,
+    connect,
+    describe_error,
+    find_stream,
+    require_nats,
+    shown_url,
+)
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.js.client import JetStreamContext
+
+    from kvstream.config import Options, ParsedURL
+
+__all__ = ["NatsSink", "sink_from_url"]
+
+log = logging.getLogger("kvstream.sinks")
+
+StorageKind = Literal["file", "memory"]
+_STREAM_EXISTS: Final = 10058  # JetStream: "stream name already in use"
+
+
+class NatsSink(Sink):
+    """Publish every batch to NATS JetStream and wait for its ack.
+
+    ``subject``: where every batch goes; None publishes each batch to
+    ``kv.events.<origin>``. ``stream``: the JetStream stream that must cover
+    the subject (None: whichever does). With ``create=True`` a missing stream
+    is created (name ``stream`` or ``KV_EVENTS``, covering ``subject`` or
+    ``kv.events.>``) with ``storage``, ``max_age`` (seconds), ``max_msgs`` and
+    ``duplicate_window`` (seconds); when it exists, any of those given must
+    match it, since kvstream never changes an existing stream.
+    """
+
+    max_coalesce = 1  # one message in flight keeps the stream in order across a reconnect
+
+    def __init__(
+        self,
+        url: str = "nats://127.0.0.1:4222",
+        *,
+        subject: str | None = None,
+        stream: str | None = None,
+        create: bool = False,
+        storage: StorageKind | None = None,
+        max_age: float | None = None,
+        max_msgs: int | None = None,
+        duplicate_window: float | None = None,
+        ack_timeout: float = 5.0,
+        connect_timeout: float = 5.0,
+        **options: Any,
+    ) -> None:
+        self._nats = require_nats()  # a missing extra fails here, not at the first send
+        self.url = url
+        self.shown = shown_url(url)
+        if subject is not None:
+            check_subject(subject, wildcards=False, where=self.shown)
+        if storage not in (None, "file", "memory"):
+            raise ConfigError(f"{self.shown}: storage: expected file or memory, got {storage!r}")
+        options.setdefault("codec", JsonCodec())
+        options.setdefault("name", f"{self.shown}/{subject or 'kv.events.<origin>'}")
+        super().__init__(**options)
+        if self.codec is None:
+            raise ConfigError("NatsSink: codec: expected a codec, got None")
+        self.subject = subject
+        self.stream = stream
+        self.create = create
+        self._wanted: dict[str, Any] = {
+            key: value
+            for key, value in (
+                ("storage", storage),
+                ("max_age", max_age),
+                ("max_msgs", max_msgs),
+                ("duplicate_window", duplicate_window),
+            )
+            if value is not None
+        }
+        self.ack_timeout = ack_timeout
+        self.connect_timeout = connect_timeout
+        self._client: Client | None = None
+        self._js: JetStreamContext | None = None
+        self._stream_name: str | None = None
+        self._max_message = 0
+        self._ack_scope: anyio.CancelScope | None = None
+        # True from the start of an attempt until it is acked: the next attempt
+        # of the same batch first checks whether the stream already holds it.
+        self._uncertain = False
+        #: Batches the server reported as duplicates (a retry of a stored batch).
+        self.duplicates = 0
+        #: Batches refused because their message exceeds the size limit.
+        self.oversized = 0
+
+    # -- connection ---------------------------------------------------------------
+
+    @property
+    def stream_name(self) -> str | None:
+        """The stream the sink publishes into (known once open)."""
+        return self._stream_name
+
+    @property
+    def max_message_size(self) -> int:
+        """The largest message (headers + payload) the server and stream accept."""
+        return self._max_message
+
+    async def open(self) -> None:
+        await self._connect()
+
+    async def _connect(self) -> None:
+        client = await connect(
+            self.url,
+            name=f"kvstream sink {self.name}",
+            connect_timeout=self.connect_timeout,
+            on_lost=self._on_lost,
+        )
+        try:
+            info = await self._ensure_stream(client)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await close_quietly(client)
+            raise
+        self._client = client
+        self._js = client.jetstream(timeout=self.ack_timeout)
+        self._stream_name = info.config.name
+        limit = client.max_payload
+        stream_limit = info.config.max_msg_size
+        if stream_limit is not None and 0 < stream_limit < limit:
+            limit = stream_limit
+        self._max_message = limit
+
+    def _on_lost(self) -> None:
+        scope = self._ack_scope
+        if scope is not None:
+            scope.cancel()
+
+    async def _ensure_stream(self, client: Client) -> Any:
+        target = self.subject or DEFAULT_SUBJECT_FILTER
+        info = await find_stream(client, target, self.stream, self.shown)
+        if info is None:
+            if not self.create:
+                which = (
+                    f"stream {self.stream!r} does not exist"
+                    if self.stream
+                    else (f"no JetStream stream covers subject {target!r}")
+                )
+                raise ConfigError(
+                    f"{self.shown}: {which}; create it, or add ?create=true to the sink URL"
+                )
+            info = await self._create_stream(client, self.stream or DEFAULT_NATS_STREAM, target)
+        self._check_config(info)
+        return info
+
+    async def _create_stream(self, client: Client, name: str, subject: str) -> Any:
+        nats = require_nats()
+        from nats.js.api import StorageType, StreamConfig
+
+        params: dict[str, Any] = dict(self._wanted)
+        if "storage" in params:
+            params["storage"] = StorageType(params["storage"])
+        config = StreamConfig(name=name, subjects=[subject], **params)
+        try:
+            info = await client.jsm().add_stream(config)
+        except nats.js.errors.APIError as exc:
+            if exc.err_code == _STREAM_EXISTS:  # created meanwhile by someone else
+                found = await find_stream(client, subject, name, self.shown)
+                if found is not None:
+                    return found
+            raise ConfigError(
+                f"{self.shown}: cannot create stream {name!r} for {subject!r}: "
+                f"{exc.description or describe_error(exc)}"
+            ) from exc
+        except (nats.errors.Error, OSError) as exc:
+            raise TransportError(
+                f"{self.shown}: cannot create stream {name!r}: {describe_error(exc)}"
+            ) from exc
+        log.info("%s: created stream %s for %s", self.shown, name, subject)
+        return info
+
+    def _check_config(self, info: Any) -> None:
+        config = info.config
+        for key, wanted in self._wanted.items():
+            have = getattr(config, key)
+            have = getattr(have, "value", have)  # enums (storage)
+            if have != wanted:
+                raise ConfigError(
+                    f"{self.shown}: stream {config.name!r} has {key}={have!r}, the sink asks for "
+                    f"{wanted!r}; kvstream never changes an existing stream: change it yourself "
+                    f"or drop the option"
+                )
+
+    async def recover(self, exc: Exception) -> None:
+        client = self._client
+        if client is not None and client.is_connected:
+            return
+        self._client = self._js = None
+        await close_quietly(client)
+        await self._connect()
+        log.info("%s: reconnected", self.name)
+
+    # -- sending ------------------------------------------------------------------
+
+    async def send(self, data: bytes, batch: EventBatch) -> None:
+        codec = self.codec
+        assert codec is not None
+        subject = self.subject or default_subject(batch.origin)
+        headers = nats_headers(batch, codec.name)
+        size = len(data) + nats_headers_size(headers)
+        if size > self._max_message:
+            self.oversized += 1
+            log.error(
+                "%s: batch %s/%s seq %d is %d bytes, above the %d-byte message limit "
+                "(server max_payload / stream max_msg_size); refused, not split",
+                self.name,
+                batch.origin,
+                batch.epoch,
+                batch.seq,
+                size,
+                self._max_message,
+            )
+            self.discard(batch, f"message of {size} bytes above the {self._max_message}-byte limit")
+            return
+        js = self._js
+        if js is None:
+            raise TransportError(f"{self.shown}: not connected")
+        nats = self._nats
+        try:
+            if self._uncertain and await self._stored(subject, batch):
+                self._uncertain = False
+                self.duplicates += 1
+                return
+            self._uncertain = True
+            with anyio.CancelScope() as scope:
+                self._ack_scope = scope
+                try:
+                    ack = await js.publish(subject, data, headers=headers)
+                finally:
+                    self._ack_scope = None
+        except (nats.errors.Error, OSError) as exc:
+            raise TransportError(
+                f"{self.shown}: publish to {subject} failed: {describe_error(exc)}"
+            ) from exc
+        if scope.cancelled_caught:
+            raise TransportError(f"{self.shown}: connection lost before the ack")
+        self._uncertain = False
+        if ack.duplicate:
+            self.duplicates += 1
+
+    async def _stored(self, subject: str, batch: EventBatch) -> bool:
+        """True when the subject's last message is ``batch`` or a later one of its producer."""
+        nats = require_nats()
+        client = self._client
+        if client is None or self._stream_name is None:
+            return False
+        try:
+            msg = await client.jsm().get_last_msg(self._stream_name, subject)
+        except nats.js.errors.NotFoundError:
+            return False
+        try:
+            origin, epoch, seq = key_from_headers(msg.headers)
+        except ValueError:
+            return False
+        return origin == batch.origin and epoch == batch.epoch and seq >= batch.seq
+
+    async def aclose(self) -> None:
+        try:
+            await super().aclose()
+        finally:
+            client, self._client, self._js = self._client, None, None
+            with anyio.CancelScope(shield=True):
+                await close_quietly(client)
+
+
+# -- URL factory (kvstream.config's _SINKS) -------------------------------------------
+
+
+def sink_from_url(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink:
+    """``nats://[USER:PASSWORD@]HOST:PORT[/SUBJECT]?stream=...&create=true`` -> NatsSink."""
+    storage = opts.pop_str("storage")
+    if storage is not None and storage not in ("file", "memory"):
+        raise ConfigError(f"{parsed.raw}: option storage: expected file or memory, got {storage!r}")
+    return NatsSink(
+        client_url(parsed.raw, parsed.scheme, 4222),
+        subject=parsed.path or None,
+        stream=opts.pop_str("stream") or None,
+        create=opts.pop_bool("create"),
+        storage=storage,  # type: ignore[arg-type]
+        max_age=opts.pop_float("max_age"),
+        max_msgs=opts.pop_int("max_msgs", minimum=1),
+        duplicate_window=opts.pop_float("duplicate_window"),
+        ack_timeout=opts.pop_float("ack_timeout", 5.0) or 5.0,
+        connect_timeout=opts.pop_float("connect_timeout", 5.0) or 5.0,
+        **common,
+    )

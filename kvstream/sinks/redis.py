@@ -1,0 +1,233 @@
+"""RedisSink: one Redis Streams entry per batch, never written twice.
+
+``redis://HOST:PORT/STREAM?maxlen=N`` (redis-py asyncio, extra ``redis``).
+Each batch is one ``XADD`` with the fields ``payload``, ``origin``, ``epoch``,
+``seq`` and ``codec`` (see :mod:`kvstream.wire.broker`), trimmed with
+``MAXLEN ~ N`` when ``maxlen`` is given. Several queued batches go out in one
+``MULTI``/``EXEC`` round trip (up to :attr:`RedisSink.max_coalesce`): all of
+them are added or none.
+
+``XADD`` is not idempotent, and a connection that breaks after the server
+applied a command but before the reply arrived leaves the outcome unknown. So
+after any failure the next attempt first reads the entries added since the
+last one this sink knows it wrote, and skips every batch it finds there by its
+``(origin, epoch, seq)``: a retry never duplicates and never loses a batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from kvstream.codecs.json import JsonCodec
+from kvstream.errors import ConfigError, DecodeError, TransportError
+from kvstream.events import EventBatch
+from kvstream.sinks.base import Sink
+from kvstream.wire.broker import (
+    DEFAULT_REDIS_STREAM,
+    BatchKey,
+    client_url,
+    key_from_fields,
+    redis_fields,
+)
+from kvstream.wire.redis_client import (
+    close_quietly,
+    describe_error,
+    open_client,
+    require_redis,
+    shown_url,
+    stream_type_check,
+)
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+    from kvstream.config import Options, ParsedURL
+
+__all__ = ["RedisSink", "sink_from_url"]
+
+log = logging.getLogger("kvstream.sinks")
+
+_SCAN_PAGE = 512
+
+
+def _as_id(value: object) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    if not isinstance(value, bytes):
+        raise TransportError(f"expected a stream entry id, got {value!r:.40}")
+    return value
+
+
+def _next_id(entry_id: bytes) -> bytes:
+    """The smallest stream id after ``entry_id`` (``ms-seq`` -> ``ms-(seq+1)``)."""
+    ms, _, seq = entry_id.partition(b"-")
+    return ms + b"-" + str(int(seq or b"0") + 1).encode()
+
+
+class RedisSink(Sink):
+    """Append every batch to the Redis stream ``stream`` with ``XADD``.
+
+    ``maxlen`` trims the stream to about that many entries (``MAXLEN ~``).
+    ``dedup_scan`` bounds how many entries a retry reads to find batches
+    already written (entries other producers added meanwhile count too).
+    """
+
+    max_coalesce = 64
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379",
+        *,
+        stream: str = DEFAULT_REDIS_STREAM,
+        maxlen: int | None = None,
+        db: int = 0,
+        connect_timeout: float = 5.0,
+        dedup_scan: int = 100_000,
+        **options: Any,
+    ) -> None:
+        require_redis()  # a missing extra fails here, not at the first send
+        self.url = url
+        self.shown = shown_url(url)
+        if not stream:
+            raise ConfigError(f"{self.shown}: stream: expected a key name, got {stream!r}")
+        if maxlen is not None and (type(maxlen) is not int or maxlen < 1):
+            raise ConfigError(f"{self.shown}: maxlen: expected an int >= 1, got {maxlen!r}")
+        options.setdefault("codec", JsonCodec())
+        options.setdefault("name", f"{self.shown}/{stream}")
+        super().__init__(**options)
+        if self.codec is None:
+            raise ConfigError("RedisSink: codec: expected a codec, got None")
+        self.stream = stream
+        self.maxlen = maxlen
+        self.db = db
+        self.connect_timeout = connect_timeout
+        self.dedup_scan = dedup_scan
+        self._client: Redis | None = None
+        # The id of the last entry this sink knows it wrote (or the stream's
+        # last entry when it started): what a retry scans after.
+        self._last_id = b"0-0"
+        # True from the start of an XADD until its reply: the next attempt
+        # first looks for what the failed one may have written.
+        self._uncertain = False
+        #: Batches a retry found already written (and did not write again).
+        self.duplicates = 0
+
+    async def open(self) -> None:
+        client = await open_client(self.url, db=self.db, connect_timeout=self.connect_timeout)
+        try:
+            await stream_type_check(client, self.stream, self.shown)
+            last = await client.xrevrange(self.stream, count=1)
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await close_quietly(client)
+            redis = require_redis()
+            if isinstance(exc, redis.exceptions.RedisError):
+                raise TransportError(f"{self.shown}: {describe_error(exc)}") from exc
+            raise
+        self._last_id = _as_id(last[0][0]) if last else b"0-0"
+        self._client = client
+
+    async def send(self, data: bytes, batch: EventBatch) -> None:
+        await self.send_many([(data, batch)])
+
+    async def send_many(self, items: Sequence[tuple[bytes, EventBatch]]) -> None:
+        redis = require_redis()
+        client = self._client
+        if client is None:
+            raise TransportError(f"{self.shown}: not connected")
+        codec = self.codec
+        assert codec is not None
+        try:
+            if self._uncertain:
+                found = await self._written({batch.key for _, batch in items})
+                if found:
+                    self.duplicates += len(found)
+                    log.info(
+                        "%s: %d batch(es) of the failed attempt were written; not adding again",
+                        self.name,
+                        len(found),
+                    )
+                    items = [(d, b) for d, b in items if b.key not in found]
+                if not items:
+                    self._uncertain = False
+                    return
+            self._uncertain = True
+            if len(items) == 1:
+                data, batch = items[0]
+                ids = [
+                    await client.xadd(
+                        self.stream, redis_fields(batch, data, codec.name), maxlen=self.maxlen
+                    )
+                ]
+            else:
+                async with client.pipeline(transaction=True) as pipe:
+                    for data, batch in items:
+                        pipe.xadd(
+                            self.stream, redis_fields(batch, data, codec.name), maxlen=self.maxlen
+                        )
+                    ids = await pipe.execute()
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise TransportError(
+                f"{self.shown}: XADD to {self.stream} failed: {describe_error(exc)}"
+            ) from exc
+        self._uncertain = False
+        self._last_id = _as_id(ids[-1])
+
+    async def _written(self, wanted: set[BatchKey]) -> set[BatchKey]:
+        """Which of ``wanted`` the stream holds after the last entry known written."""
+        client = self._client
+        assert client is not None
+        found: set[BatchKey] = set()
+        start = _next_id(self._last_id)
+        scanned = 0
+        while scanned < self.dedup_scan and len(found) < len(wanted):
+            entries = await client.xrange(self.stream, min=start, max="+", count=_SCAN_PAGE)
+            if not entries:
+                break
+            for entry_id, fields in entries:
+                try:
+                    key = key_from_fields(fields)
+                except DecodeError:
+                    continue
+                if key in wanted:
+                    found.add(key)
+                    self._last_id = _as_id(entry_id)
+            scanned += len(entries)
+            start = _next_id(_as_id(entries[-1][0]))
+        else:
+            if scanned >= self.dedup_scan:
+                log.warning(
+                    "%s: looked at %d entries for the batches of a failed attempt, stopped "
+                    "(dedup_scan); batches not found are written again",
+                    self.name,
+                    scanned,
+                )
+        return found
+
+    async def aclose(self) -> None:
+        try:
+            await super().aclose()
+        finally:
+            client, self._client = self._client, None
+            with anyio.CancelScope(shield=True):
+                await close_quietly(client)
+
+
+# -- URL factory (kvstream.config's _SINKS) -------------------------------------------
+
+
+def sink_from_url(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink:
+    """``redis://[[USER]:PASSWORD@]HOST:PORT[/STREAM]?maxlen=N&db=0`` -> RedisSink."""
+    return RedisSink(
+        client_url(parsed.raw, parsed.scheme, 6379),
+        stream=parsed.path or DEFAULT_REDIS_STREAM,
+        maxlen=opts.pop_int("maxlen", minimum=1),
+        db=opts.pop_int("db", 0) or 0,
+        connect_timeout=opts.pop_float("connect_timeout", 5.0) or 5.0,
+        dedup_scan=opts.pop_int("dedup_scan", 100_000, minimum=1) or 100_000,
+        **common,
+    )

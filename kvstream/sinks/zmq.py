@@ -1,0 +1,643 @@
+"""ZmqSink: vLLM's KV-event publisher, on the event loop, with replay.
+
+``zmq+tcp://HOST:PORT?replay=tcp://HOST:PORT2&topic=...`` or
+``zmq+ipc:///run/kv.sock`` (pyzmq, extra ``zmq``). A consumer written for
+vLLM's publisher (llm-d's KV cache manager, Dynamo's ZMQ listener) cannot tell
+this sink from it: the frames, the sequence numbers, the msgpack payload
+(:class:`~kvstream.codecs.msgpack.MsgpackCodec`) and the replay protocol are
+vLLM's (see :mod:`kvstream.wire.vllm_zmq`). What differs is what vLLM leaves to
+chance:
+
+* **No silent drops.** vLLM's PUB drops at its high-water mark while ``send``
+  succeeds. This sink publishes on an XPUB with ``XPUB_NODROP``: a full
+  subscriber pipe answers EAGAIN, and the sink's policy decides: ``block``
+  waits (paced) until the pipe has room, ``drop_*`` drops the batch and counts
+  it. Either way the batch enters the replay ring, so a consumer that sees the
+  gap can repair it.
+* **Sequence numbers are the scheduler's** for each origin (sinks never
+  renumber). With several origins (a relay) each origin is its own stream with
+  its own topic: ``topic`` may contain ``{origin}``, or give ``model`` for
+  llm-d's ``kv@<origin>@<model>``. A fixed topic serves one origin; batches of
+  a second origin are refused (counted, logged), since two sequences on one
+  topic would look like restarts to every consumer.
+* **Replay that loses nothing.** The ROUTER (always bound, on its own endpoint)
+  is ``ROUTER_MANDATORY`` and paced: a reply that meets a full pipe waits and
+  resumes instead of being dropped at the ROUTER's high-water mark, every
+  reply ends with its end marker, replies run beside live publishing without
+  stalling it, and a reply stuck longer than ``replay_timeout`` (or whose
+  client went away) is abandoned and counted. The ring is bounded in bytes
+  (``replay_max_bytes``) and in batches (``buffer_steps``) and stores the exact
+  bytes published. A malformed request is ignored and counted.
+* **Strict consumers.** With a strict codec (``strict=refuse|convert``) the
+  events strict consumers would reject are left out of the batch where they
+  enter this sink, each counted and logged with its reason; the batch itself
+  (and its ``seq``) is always sent.
+
+Bind or connect follows vLLM's rule (bind for ``*``, ``::``, ipc and inproc;
+otherwise connect, so a central consumer can bind); ``bind=`` overrides it.
+Everything runs on the event loop with :mod:`zmq.asyncio`; there is no
+publisher thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, Self
+
+import anyio
+import anyio.lowlevel
+
+from kvstream.codecs.msgpack import MsgpackCodec, Refusal, codec_from_options
+from kvstream.errors import ConfigError, DecodeError, MissingDependencyError, TransportError
+from kvstream.events import EventBatch
+from kvstream.sinks.base import Sink
+from kvstream.wire.vllm_zmq import (
+    DEFAULT_BUFFER_STEPS,
+    DEFAULT_ENDPOINT,
+    DEFAULT_HWM,
+    REPLAY_LAYOUTS,
+    KVEventsConfig,
+    ReplayLayout,
+    endpoint_from_parts,
+    live_frames,
+    llm_d_topic,
+    normalize_endpoint,
+    pack_seq,
+    parse_kv_events_config,
+    parse_replay_request,
+    replay_end,
+    replay_reply,
+    should_bind,
+)
+
+try:
+    import zmq
+    import zmq.asyncio
+except ImportError as exc:  # pragma: no cover - the extra is installed in tests
+    raise MissingDependencyError.for_extra("pyzmq", "zmq", exc) from exc
+
+if TYPE_CHECKING:
+    from kvstream.config import Options, ParsedURL
+
+__all__ = ["DEFAULT_REPLAY_MAX_BYTES", "ZmqSink", "ZmqSinkStatistics"]
+
+log = logging.getLogger("kvstream.sinks")
+
+DEFAULT_REPLAY_MAX_BYTES: Final = 256 * 1024 * 1024
+#: Bookkeeping charged per ring entry on top of its frames.
+_ENTRY_OVERHEAD: Final = 96
+#: How many replies are served at once; further requests wait for their client's retry.
+DEFAULT_MAX_REPLAY_CLIENTS: Final = 64
+#: Frames sent to one reply client before the others get a turn.
+_REPLY_BUDGET: Final = 64
+_BACKOFF_MIN: Final = 0.001
+_BACKOFF_MAX: Final = 0.05
+
+
+class ZmqSinkStatistics(NamedTuple):
+    """The ZMQ side of a :class:`ZmqSink` (the base counters are in ``statistics()``)."""
+
+    endpoint: str
+    replay_endpoint: str | None
+    #: Subscriptions the XPUB has seen minus unsubscriptions.
+    subscriptions: int
+    #: Sends a full subscriber pipe answered with EAGAIN (each waited or dropped).
+    pipe_full: int
+    #: Events left out by the strict profile.
+    events_refused: int
+    #: Batches of an origin this sink has no topic for (several origins, fixed topic).
+    batches_unroutable: int
+    ring_batches: int
+    ring_bytes: int
+    replay_requests: int
+    replay_malformed: int
+    #: Valid requests refused because ``max_replay_clients`` replies were running.
+    replay_busy: int
+    replays_completed: int
+    #: Replies given up: the client went away or its pipe stayed full too long.
+    replays_abandoned: int
+    replay_batches_sent: int
+    #: Times a reply met a full pipe and waited (paced) instead of losing a frame.
+    replay_waits: int
+    replays_active: int
+
+
+class _Entry(NamedTuple):
+    seq: int
+    topic: bytes
+    seq_frame: bytes
+    payload: bytes
+
+
+class _Reply:
+    """One client's replay in progress: a cursor over the ring, not a copy of it."""
+
+    __slots__ = ("end", "identity", "next", "stalled_since", "start_seq")
+
+    def __init__(self, identity: bytes, start_seq: int, first: int, end: int) -> None:
+        self.identity = identity
+        self.start_seq = start_seq
+        #: Ring position (counting every batch ever stored) of the next candidate.
+        self.next = first
+        #: Position one past the last batch stored when the request came.
+        self.end = end
+        self.stalled_since: float | None = None
+
+
+class ZmqSink(Sink):
+    """Publish batches on vLLM's ZMQ wire, with a replay ROUTER.
+
+    ``endpoint``: a ZMQ endpoint (``tcp://*:5557``, ``tcp://10.0.0.5:5557``,
+    ``ipc:///run/kv.sock``). ``replay_endpoint``: where replay requests are
+    served (always bound); None disables replay (the ring is not kept).
+    ``topic``: the topic frame, ``{origin}`` replaced by the batch's origin;
+    ``model``: use llm-d's ``kv@<origin>@<model>`` (with ``topic`` empty).
+    ``hwm``: per-subscriber high-water mark in messages (0: none).
+    ``buffer_steps`` / ``replay_max_bytes``: the ring's bounds; ``replay_hwm``:
+    the ROUTER's per-client high-water mark (replies are paced at it, never
+    dropped); ``replay_timeout``: how long a reply may stay stalled before it is
+    abandoned. ``replay_layout``:
+    ``"topic"`` (vLLM v0.26+) or ``"legacy"`` (no topic frame). ``bind``:
+    override vLLM's bind-or-connect rule. The codec defaults to
+    :class:`MsgpackCodec` (map profile); sink options (``policy``, ``max_bytes``,
+    ...) are the base class's.
+    """
+
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        model: str | None = None,
+        bind: bool | None = None,
+        hwm: int = DEFAULT_HWM,
+        buffer_steps: int = DEFAULT_BUFFER_STEPS,
+        replay_max_bytes: int = DEFAULT_REPLAY_MAX_BYTES,
+        replay_layout: ReplayLayout = "topic",
+        replay_timeout: float = 30.0,
+        replay_hwm: int = 1000,
+        max_replay_clients: int = DEFAULT_MAX_REPLAY_CLIENTS,
+        linger: float = 1.0,
+        **options: Any,
+    ) -> None:
+        endpoint = normalize_endpoint(endpoint, "ZmqSink: endpoint")
+        if replay_endpoint is not None:
+            replay_endpoint = normalize_endpoint(replay_endpoint, "ZmqSink: replay_endpoint")
+        options.setdefault("codec", MsgpackCodec())
+        options.setdefault("name", f"zmq:{endpoint}")
+        super().__init__(**options)
+        if self.codec is None:
+            raise ConfigError("ZmqSink: codec: expected a codec, got None")
+        if type(topic) is not str:
+            raise ConfigError(f"ZmqSink: topic: expected a str, got {topic!r}")
+        if model is not None:
+            if topic:
+                raise ConfigError(
+                    "ZmqSink: give topic or model, not both (model makes the topic "
+                    "kv@<origin>@<model>)"
+                )
+            llm_d_topic("origin", model)  # checks the model part
+        for key, value, minimum in (
+            ("hwm", hwm, 0),
+            ("buffer_steps", buffer_steps, 1),
+            ("replay_max_bytes", replay_max_bytes, 1),
+            ("max_replay_clients", max_replay_clients, 1),
+            ("replay_hwm", replay_hwm, 0),
+        ):
+            if type(value) is not int or value < minimum:
+                raise ConfigError(f"ZmqSink: {key}: expected an int >= {minimum}, got {value!r}")
+        if replay_layout not in REPLAY_LAYOUTS:
+            raise ConfigError(
+                f"ZmqSink: replay_layout: expected one of {', '.join(REPLAY_LAYOUTS)}, "
+                f"got {replay_layout!r}"
+            )
+        for key, seconds in (("replay_timeout", replay_timeout), ("linger", linger)):
+            if not (isinstance(seconds, int | float) and seconds >= 0 and math.isfinite(seconds)):
+                raise ConfigError(f"ZmqSink: {key}: expected seconds >= 0, got {seconds!r}")
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic
+        self.model = model
+        self.bind = should_bind(endpoint) if bind is None else bind
+        self.hwm = hwm
+        self.buffer_steps = buffer_steps
+        self.replay_max_bytes = replay_max_bytes
+        self.replay_layout: ReplayLayout = replay_layout
+        self.replay_timeout = float(replay_timeout)
+        self.max_replay_clients = max_replay_clients
+        self.replay_hwm = replay_hwm
+        self.linger = float(linger)
+        self._per_origin = model is not None or "{origin}" in topic
+        self._topics: dict[str, bytes | None] = {}
+        self._ctx: zmq.asyncio.Context | None = None
+        self._pub: zmq.asyncio.Socket | None = None
+        self._router: zmq.asyncio.Socket | None = None
+        # The replay ring: exact frames, bounded in bytes and batches.
+        self._ring: deque[_Entry] = deque()
+        self._ring_first = 0  # position of _ring[0] among every batch ever stored
+        self._ring_bytes = 0
+        self._replies: dict[bytes, _Reply] = {}
+        self._replies_wakeup = anyio.Event()
+        self._subscriptions = 0
+        self._subscription_changed = anyio.Event()
+        # counters
+        self._pipe_full = 0
+        self._events_refused = 0
+        self._refuse_burst = False
+        self._unroutable = 0
+        self._replay_requests = 0
+        self._replay_malformed = 0
+        self._malformed_burst = False
+        self._replay_busy = 0
+        self._replays_completed = 0
+        self._replays_abandoned = 0
+        self._replay_sent = 0
+        self._replay_waits = 0
+
+    @property
+    def per_origin_topics(self) -> bool:
+        """True when each origin gets its own topic (``{origin}`` in it, or ``model``)."""
+        return self._per_origin
+
+    @classmethod
+    def from_kv_events_config(
+        cls,
+        config: str | KVEventsConfig | dict[str, Any],
+        *,
+        data_parallel_rank: int | None = None,
+        **options: Any,
+    ) -> Self:
+        """A sink configured as vLLM's ``--kv-events-config`` would configure its publisher.
+
+        Endpoints are offset by ``data_parallel_rank`` as vLLM does. The policy
+        defaults to ``drop_newest`` (vLLM drops when its queue is full; here the
+        drops are counted). Raises :class:`ConfigError` when the config turns
+        publishing off.
+        """
+        parsed = config if isinstance(config, KVEventsConfig) else parse_kv_events_config(config)
+        if not parsed.enabled:
+            raise ConfigError(
+                "--kv-events-config: publishing is off (enable_kv_cache_events false or "
+                "publisher 'null')"
+            )
+        settings = parsed.sink_settings(data_parallel_rank)
+        settings.setdefault("policy", "drop_newest")
+        settings.update(options)
+        return cls(**settings)
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    async def open(self) -> None:
+        ctx = zmq.asyncio.Context()
+        try:
+            pub = ctx.socket(zmq.XPUB)
+            pub.setsockopt(zmq.XPUB_NODROP, 1)
+            pub.setsockopt(zmq.XPUB_VERBOSER, 1)  # every (un)subscription, for the count
+            pub.setsockopt(zmq.SNDHWM, self.hwm)
+            pub.setsockopt(zmq.LINGER, int(self.linger * 1000))
+            self._pub = pub
+            self.endpoint = _attach(pub, self.endpoint, self.bind, "endpoint")
+            if self.replay_endpoint is not None:
+                router = ctx.socket(zmq.ROUTER)
+                router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                router.setsockopt(zmq.LINGER, 0)
+                router.setsockopt(zmq.SNDHWM, self.replay_hwm)
+                self._router = router
+                self.replay_endpoint = _attach(router, self.replay_endpoint, True, "replay")
+        except BaseException:
+            self._close_sockets()
+            ctx.term()
+            raise
+        self._ctx = ctx
+
+    async def __aenter__(self) -> Self:
+        await super().__aenter__()
+        tg = self._tg
+        assert tg is not None
+        tg.start_soon(self._watch_subscriptions, name=f"kvstream {self.name} subscriptions")
+        if self._router is not None:
+            tg.start_soon(self._serve_replay, name=f"kvstream {self.name} replay requests")
+            tg.start_soon(self._pump_replies, name=f"kvstream {self.name} replay replies")
+        return self
+
+    async def aclose(self) -> None:
+        try:
+            await super().aclose()
+        finally:
+            self._close_sockets()
+            ctx, self._ctx = self._ctx, None
+            if ctx is not None:
+                # term() waits up to the linger for queued messages to leave.
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(ctx.term)
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._router):
+            if sock is not None and not sock.closed:
+                sock.close()
+        self._pub = self._router = None
+
+    # -- publishing ---------------------------------------------------------------------
+
+    def _encode(self, batch: EventBatch) -> bytes:
+        # Strict codecs screen events here, in the writer, where they enter this sink:
+        # one pass that encodes and reports what was refused, so it can be counted.
+        codec = self.codec
+        if isinstance(codec, MsgpackCodec) and codec.strict is not None:
+            data, refused = codec.encode_screened(batch)
+            if refused:
+                self._count_refused(batch, refused)
+            elif self._refuse_burst:
+                self._refuse_burst = False
+            return data
+        return super()._encode(batch)
+
+    def _count_refused(self, batch: EventBatch, refused: tuple[Refusal, ...]) -> None:
+        self._events_refused += len(refused)
+        if not self._refuse_burst:
+            self._refuse_burst = True
+            log.warning(
+                "%s: strict profile refused %d event(s) of %s/%s seq %d (first: event %d: %s); "
+                "the batch is sent without them",
+                self.name,
+                len(refused),
+                batch.origin,
+                batch.epoch,
+                batch.seq,
+                refused[0].position,
+                refused[0].reason,
+            )
+        else:
+            log.debug("%s: strict profile refused %r", self.name, refused)
+
+    def _topic_for(self, origin: str) -> bytes | None:
+        topics = self._topics
+        if origin in topics:
+            return topics[origin]
+        topic: bytes | None
+        if self.model is not None:
+            try:
+                topic = llm_d_topic(origin, self.model).encode()
+            except ConfigError as exc:
+                log.error("%s: no topic for origin %r: %s", self.name, origin, exc)
+                topic = None
+        elif self._per_origin:
+            topic = self.topic.replace("{origin}", origin).encode()
+        elif any(t is not None for t in topics.values()):
+            log.error(
+                "%s: batches of a second origin %r refused: topic %r serves one origin "
+                "(give topic=...{origin}... or model=... for several)",
+                self.name,
+                origin,
+                self.topic,
+            )
+            topic = None
+        else:
+            topic = self.topic.encode()
+        topics[origin] = topic
+        return topic
+
+    async def send(self, data: bytes, batch: EventBatch) -> None:
+        pub = self._pub
+        if pub is None:
+            raise TransportError(f"{self.name}: the socket is not open")
+        topic = self._topic_for(batch.origin)
+        if topic is None:
+            self._unroutable += 1
+            self.discard(batch, f"no topic for origin {batch.origin!r}")
+            return
+        seq_frame = pack_seq(batch.seq)
+        frames = live_frames(topic, seq_frame, data)
+        delay = _BACKOFF_MIN
+        while True:
+            try:
+                await pub.send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                # XPUB_NODROP: some subscriber's pipe is at its high-water mark.
+                self._pipe_full += 1
+                if self.policy != "block":
+                    self.discard(batch, "a subscriber's pipe is full (XPUB high-water mark)")
+                    break
+                await anyio.sleep(delay)
+                delay = min(delay * 2, _BACKOFF_MAX)
+                continue
+            except zmq.ZMQError as exc:
+                raise TransportError(f"{self.name}: cannot publish: {exc}") from exc
+            break
+        if self._router is not None:
+            self._store(_Entry(batch.seq, topic, seq_frame, data))
+
+    def _store(self, entry: _Entry) -> None:
+        ring = self._ring
+        ring.append(entry)
+        self._ring_bytes += len(entry.payload) + len(entry.topic) + 8 + _ENTRY_OVERHEAD
+        while len(ring) > 1 and (
+            len(ring) > self.buffer_steps or self._ring_bytes > self.replay_max_bytes
+        ):
+            old = ring.popleft()
+            self._ring_first += 1
+            self._ring_bytes -= len(old.payload) + len(old.topic) + 8 + _ENTRY_OVERHEAD
+
+    # -- subscriptions ------------------------------------------------------------------
+
+    async def _watch_subscriptions(self) -> None:
+        pub = self._pub
+        assert pub is not None
+        while True:
+            try:
+                message = await pub.recv()
+            except zmq.ZMQError as exc:
+                log.debug("%s: subscription watcher stopped: %s", self.name, exc)
+                return
+            if message[:1] == b"\x01":
+                self._subscriptions += 1
+            elif message[:1] == b"\x00":
+                self._subscriptions -= 1
+            else:
+                continue
+            changed, self._subscription_changed = self._subscription_changed, anyio.Event()
+            changed.set()
+
+    async def wait_subscribed(self, count: int = 1) -> None:
+        """Return once at least ``count`` subscriptions are in place (tests, demos)."""
+        while self._subscriptions < count:
+            await self._subscription_changed.wait()
+
+    # -- replay -------------------------------------------------------------------------
+
+    async def _serve_replay(self) -> None:
+        router = self._router
+        assert router is not None
+        while True:
+            try:
+                frames = await router.recv_multipart()
+            except zmq.ZMQError as exc:
+                log.debug("%s: replay server stopped: %s", self.name, exc)
+                return
+            try:
+                identity, start_seq = parse_replay_request(frames)
+            except DecodeError as exc:
+                self._replay_malformed += 1
+                if not self._malformed_burst:
+                    self._malformed_burst = True
+                    log.warning("%s: malformed replay request ignored: %s", self.name, exc)
+                continue
+            self._malformed_burst = False
+            self._replay_requests += 1
+            replies = self._replies
+            if identity not in replies and len(replies) >= self.max_replay_clients:
+                self._replay_busy += 1
+                log.warning(
+                    "%s: replay request from %s ignored: %d replies already running",
+                    self.name,
+                    identity.hex(),
+                    len(replies),
+                )
+                continue
+            # A new request from a client being served restarts its reply.
+            end = self._ring_first + len(self._ring)
+            replies[identity] = _Reply(identity, start_seq, self._ring_first, end)
+            wakeup, self._replies_wakeup = self._replies_wakeup, anyio.Event()
+            wakeup.set()
+
+    async def _pump_replies(self) -> None:
+        """Serve every reply in turn, a few frames each, backing off while all are stalled."""
+        delay = _BACKOFF_MIN
+        while True:
+            if not self._replies:
+                await self._replies_wakeup.wait()
+                continue
+            progressed = False
+            for reply in list(self._replies.values()):
+                if await self._pump(reply):
+                    progressed = True
+            if progressed:
+                delay = _BACKOFF_MIN
+                await anyio.lowlevel.checkpoint()  # live publishing goes on between turns
+            else:
+                await anyio.sleep(delay)
+                delay = min(delay * 2, _BACKOFF_MAX)
+
+    async def _pump(self, reply: _Reply) -> bool:
+        """Send up to a budget of frames to one client; True if anything was sent."""
+        router = self._router
+        assert router is not None
+        layout = self.replay_layout
+        sent = 0
+        while sent < _REPLY_BUDGET:
+            ring = self._ring
+            first = self._ring_first
+            if reply.next < first:  # the ring moved on: those batches are gone
+                reply.next = first
+            if reply.next >= reply.end:
+                frames = replay_end(reply.identity, layout)
+                entry = None
+            else:
+                entry = ring[reply.next - first]
+                if entry.seq < reply.start_seq:
+                    reply.next += 1
+                    continue
+                frames = replay_reply(
+                    reply.identity, entry.topic, entry.seq_frame, entry.payload, layout
+                )
+            try:
+                await router.send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                self._replay_waits += 1
+                now = anyio.current_time()
+                if reply.stalled_since is None:
+                    reply.stalled_since = now
+                elif now - reply.stalled_since > self.replay_timeout:
+                    self._abandon(reply, f"its pipe stayed full for {self.replay_timeout:g} s")
+                return sent > 0
+            except zmq.ZMQError as exc:
+                # ROUTER_MANDATORY: EHOSTUNREACH once the client is gone.
+                self._abandon(reply, str(exc))
+                return sent > 0
+            reply.stalled_since = None
+            sent += 1
+            if entry is None:
+                self._replays_completed += 1
+                self._replies.pop(reply.identity, None)
+                return True
+            reply.next += 1
+            self._replay_sent += 1
+        return True
+
+    def _abandon(self, reply: _Reply, reason: str) -> None:
+        if self._replies.get(reply.identity) is reply:
+            del self._replies[reply.identity]
+        self._replays_abandoned += 1
+        log.warning(
+            "%s: replay to %s abandoned at ring position %d: %s",
+            self.name,
+            reply.identity.hex(),
+            reply.next,
+            reason,
+        )
+
+    # -- introspection --------------------------------------------------------------------
+
+    def zmq_statistics(self) -> ZmqSinkStatistics:
+        return ZmqSinkStatistics(
+            endpoint=self.endpoint,
+            replay_endpoint=self.replay_endpoint,
+            subscriptions=self._subscriptions,
+            pipe_full=self._pipe_full,
+            events_refused=self._events_refused,
+            batches_unroutable=self._unroutable,
+            ring_batches=len(self._ring),
+            ring_bytes=self._ring_bytes,
+            replay_requests=self._replay_requests,
+            replay_malformed=self._replay_malformed,
+            replay_busy=self._replay_busy,
+            replays_completed=self._replays_completed,
+            replays_abandoned=self._replays_abandoned,
+            replay_batches_sent=self._replay_sent,
+            replay_waits=self._replay_waits,
+            replays_active=len(self._replies),
+        )
+
+
+def _attach(sock: zmq.asyncio.Socket, endpoint: str, bind: bool, what: str) -> str:
+    """Bind or connect ``sock``; returns the endpoint actually bound (ports resolved)."""
+    try:
+        if bind:
+            sock.bind(endpoint)
+            last = sock.getsockopt(zmq.LAST_ENDPOINT)
+            return last.decode() if isinstance(last, bytes) and last else endpoint
+        sock.connect(endpoint)
+    except zmq.ZMQError as exc:
+        verb = "bind" if bind else "connect"
+        raise TransportError(f"ZmqSink: {what}: cannot {verb} {endpoint}: {exc}") from exc
+    return endpoint
+
+
+# -- URL factory (kvstream.config's _SINKS) ------------------------------------------------
+
+
+def sink_from_url(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink:
+    """``zmq+tcp://HOST:PORT?replay=...`` / ``zmq+ipc://PATH?...`` -> :class:`ZmqSink`."""
+    endpoint = endpoint_from_parts(parsed.scheme, parsed.address, parsed.path, parsed.raw)
+    replay = opts.pop_str("replay")
+    kwargs: dict[str, Any] = {
+        "replay_endpoint": None
+        if replay is None
+        else normalize_endpoint(replay, f"{parsed.raw}: replay"),
+        "topic": opts.pop_str("topic", "") or "",
+        "model": opts.pop_str("model"),
+        "hwm": opts.pop_int("hwm", DEFAULT_HWM, minimum=0),
+        "buffer_steps": opts.pop_int("buffer_steps", DEFAULT_BUFFER_STEPS, minimum=1),
+        "replay_max_bytes": opts.pop_size("replay_max_bytes", DEFAULT_REPLAY_MAX_BYTES),
+        "replay_layout": opts.pop_choice("replay_layout", REPLAY_LAYOUTS, "topic"),
+        "replay_timeout": opts.pop_float("replay_timeout", 30.0),
+        "replay_hwm": opts.pop_int("replay_hwm", 1000, minimum=0),
+    }
+    if "bind" in opts:
+        kwargs["bind"] = opts.pop_bool("bind")
+    if "codec" not in common:
+        common["codec"] = codec_from_options(opts)
+    return ZmqSink(endpoint, **kwargs, **common)

@@ -1,0 +1,33 @@
+"""Shared fixtures. Keep this small: helpers a single test file needs live in that file."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """aiostream is asyncio-only: tests using anyio's plugin run on asyncio."""
+    return "asyncio"
+
+
+@pytest.fixture
+async def no_leaked_tasks() -> AsyncIterator[None]:
+    """Opt-in: fail the test if it leaves asyncio tasks running on the loop.
+
+    Lets the loop run a few rounds first, so tasks that are finishing (a
+    cancelled writer running its ``finally``) get to finish.
+    """
+    before = asyncio.all_tasks()
+    yield
+    leaked: set[asyncio.Task[object]] = set()
+    for _ in range(20):
+        leaked = asyncio.all_tasks() - before - {asyncio.current_task()}  # type: ignore[operator]
+        if not leaked:
+            return
+        await asyncio.sleep(0)
+    names = sorted(t.get_name() for t in leaked)
+    pytest.fail(f"{len(leaked)} task(s) still running after the test: {names}")

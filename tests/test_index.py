@@ -1,0 +1,1023 @@
+"""The prefix index against a brute-force reference, edge cases, and its HTTP endpoint."""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import anyio
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvstream
+from kvstream import PrefixIndex, PrefixMatch
+from kvstream.codecs.json import JsonCodec
+from kvstream.consumers.base import Gap
+from kvstream.errors import ConfigError
+from kvstream.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVCacheEvent,
+)
+from kvstream.index.hashing import BlockHasher
+from kvstream.index.http import QueryServer
+from kvstream.index.prefix import TIER_PREFERENCE
+from kvstream.sim import Request, SimulatedEngine, Workload
+
+B = 4  # block size of the hand-built tests
+
+# -- the reference model -----------------------------------------------------------------------
+
+#: one block of a prefix: (lora_name, extra key of the block, tokens)
+Block = tuple[Any, Any, tuple[int, ...]]
+Prefix = tuple[Block, ...]
+
+
+def _freeze(value: Any) -> Any:
+    return tuple(_freeze(v) for v in value) if isinstance(value, list) else value
+
+
+class _RefOrigin:
+    def __init__(self) -> None:
+        self.epoch: str | None = None
+        self.next_seq = 0
+        self.stale = False
+        #: tier -> prefixes held, with multiplicity (the same block stored twice)
+        self.held: dict[str, Counter[Prefix]] = {}
+        #: engine hash -> the whole token prefix it stands for
+        self.prefix_of: dict[Any, Prefix] = {}
+        #: engine hash -> [parent engine hash, block, tiers]
+        self.orphans: dict[Any, list[Any]] = {}
+
+    def holds(self, prefix: Prefix) -> list[str]:
+        return [t for t, c in self.held.items() if c[prefix] > 0]
+
+
+class Reference:
+    """The set of token prefixes each origin holds per tier, by brute force.
+
+    Nothing hashed: a block is named by its whole token prefix. Mirrors the
+    index's documented rules (refcounts, orphans, placeholders, stale origins);
+    ``remember=True`` models an index whose ``keep_removed`` exceeds every block
+    of the run (an engine hash once seen stays resolvable until a clear).
+    """
+
+    def __init__(self, block_size: int, *, remember: bool) -> None:
+        self.block_size = block_size
+        self.remember = remember
+        self.origins: dict[str, _RefOrigin] = {}
+        self.tier_seen: list[str] = []
+
+    def _origin(self, name: str) -> _RefOrigin:
+        return self.origins.setdefault(name, _RefOrigin())
+
+    def _tier(self, medium: str | None) -> str:
+        name = medium or "GPU"
+        if name not in self.tier_seen:
+            self.tier_seen.append(name)
+        return name
+
+    def _clear(self, o: _RefOrigin) -> None:
+        o.held.clear()
+        o.prefix_of.clear()
+        o.orphans.clear()
+        o.stale = False
+
+    def apply(self, item: EventBatch | Gap) -> None:
+        if isinstance(item, Gap):
+            o = self._origin(item.origin)
+            if o.epoch != item.epoch:
+                self._clear(o)
+                o.epoch = item.epoch
+                o.next_seq = item.next_seq
+            else:
+                o.next_seq = max(o.next_seq, item.next_seq)
+            o.stale = True
+            return
+        o = self._origin(item.origin)
+        if o.epoch != item.epoch:
+            self._clear(o)
+            o.epoch = item.epoch
+            o.stale = item.seq != 0
+        elif item.seq < o.next_seq:
+            return
+        elif item.seq > o.next_seq:
+            o.stale = True
+        o.next_seq = item.seq + 1
+        for event in item.events:
+            if isinstance(event, BlockStored):
+                self._store(o, event)
+            elif isinstance(event, BlockRemoved):
+                self._remove(o, event)
+            else:
+                self._clear(o)
+
+    def _store(self, o: _RefOrigin, event: BlockStored) -> None:
+        if not event.block_hashes:
+            return
+        tier = self._tier(event.medium)
+        if not event.token_ids:
+            for h in event.block_hashes:
+                prefix = o.prefix_of.get(h)
+                if prefix is not None:
+                    o.held.setdefault(tier, Counter())[prefix] += 1
+                elif h in o.orphans:
+                    o.orphans[h][2].append(tier)
+            return
+        if event.block_size != self.block_size:
+            return
+        size = self.block_size
+        parent = event.parent_block_hash
+        prev: Prefix | None = () if parent is None else o.prefix_of.get(parent)
+        prev_h = parent
+        for i, h in enumerate(event.block_hashes):
+            extra = _freeze(event.extra_keys[i]) if event.extra_keys is not None else None
+            block: Block = (
+                event.lora_name,
+                extra,
+                tuple(event.token_ids[i * size : (i + 1) * size]),
+            )
+            prefix = o.prefix_of.get(h)
+            if prefix is None and prev is not None:
+                prefix = (*prev, block)
+                o.prefix_of[h] = prefix
+                self._resolve(o, h, prefix)
+            if prefix is None:
+                if h in o.orphans:
+                    o.orphans[h][2].append(tier)
+                else:
+                    o.orphans[h] = [prev_h, block, [tier]]
+            else:
+                o.held.setdefault(tier, Counter())[prefix] += 1
+            prev, prev_h = prefix, h
+
+    def _resolve(self, o: _RefOrigin, h: Any, prefix: Prefix) -> None:
+        record = o.orphans.pop(h, None)
+        if record is not None:
+            for tier in record[2]:
+                o.held.setdefault(tier, Counter())[prefix] += 1
+        for child, (parent, block, tiers) in list(o.orphans.items()):
+            if parent == h and child in o.orphans:
+                del o.orphans[child]
+                child_prefix = (*prefix, block)
+                o.prefix_of[child] = child_prefix
+                for tier in tiers:
+                    o.held.setdefault(tier, Counter())[child_prefix] += 1
+                self._resolve(o, child, child_prefix)
+
+    def _remove(self, o: _RefOrigin, event: BlockRemoved) -> None:
+        if not event.block_hashes:
+            return
+        tier = self._tier(event.medium)
+        for h in event.block_hashes:
+            prefix = o.prefix_of.get(h)
+            counter = o.held.get(tier)
+            if prefix is not None and o.holds(prefix):
+                if counter is not None and counter[prefix] > 0:
+                    counter[prefix] -= 1
+                    if not o.holds(prefix) and not self.remember:
+                        del o.prefix_of[h]
+                continue
+            record = o.orphans.get(h)
+            if record is not None and tier in record[2]:
+                record[2].remove(tier)
+                if not record[2]:
+                    del o.orphans[h]
+
+    def match(self, tokens: Sequence[int], lora_name: str | None = None) -> list[PrefixMatch]:
+        size = self.block_size
+        n = len(tokens) // size
+        prefixes: list[Prefix] = []
+        prefix: Prefix = ()
+        for k in range(n):
+            prefix = (*prefix, (lora_name, None, tuple(tokens[k * size : (k + 1) * size])))
+            prefixes.append(prefix)
+        order = [m for m in TIER_PREFERENCE if m in self.tier_seen]
+        order += [m for m in self.tier_seen if m not in order]
+        out = []
+        for name, o in self.origins.items():
+            k = 0
+            while k < n and o.holds(prefixes[k]):
+                k += 1
+            if k:
+                tiers = o.holds(prefixes[k - 1])
+                medium = min(tiers, key=order.index)
+                out.append(PrefixMatch(name, k, medium, o.stale))
+        out.sort(key=lambda m: (-m.blocks, m.stale, order.index(m.medium), m.origin))
+        return out
+
+
+# -- driving simulated engines -------------------------------------------------------------------
+
+
+class RecordingWorkload(Workload):
+    """A shared workload that remembers every prompt it handed out."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.served: list[Request] = []
+
+    def next_request(self) -> Request:
+        request = super().next_request()
+        self.served.append(request)
+        return request
+
+
+def _placeholders(events: list[KVCacheEvent], tiers: set[str]) -> list[KVCacheEvent]:
+    """Stores on ``tiers`` rewritten the way vLLM's offloading connector sends them."""
+    out: list[KVCacheEvent] = []
+    for e in events:
+        if isinstance(e, BlockStored) and e.medium in tiers:
+            e = BlockStored(
+                block_hashes=e.block_hashes,
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=0,
+                medium=e.medium,
+            )
+        out.append(e)
+    return out
+
+
+def _queries(
+    workload: RecordingWorkload, rng: random.Random, block_size: int
+) -> Iterator[tuple[list[int], str | None]]:
+    recent = workload.served[-12:]
+    for request in recent:
+        yield request.token_ids, request.lora_name
+        cut = rng.randrange(len(request.token_ids) + 1)
+        yield request.token_ids[:cut], request.lora_name
+        other = None if request.lora_name else "sql-adapter"
+        yield request.token_ids, other
+        tweaked = list(request.token_ids)
+        if tweaked:
+            tweaked[rng.randrange(len(tweaked))] ^= 1
+        yield tweaked, request.lora_name
+    yield [rng.randrange(32000) for _ in range(5 * block_size)], None
+
+
+def _run_workload(
+    *,
+    seed: int,
+    engines: int,
+    rounds: int,
+    drop: float,
+    duplicate: float,
+    redeliver: float,
+    restart: float,
+    snapshot: float,
+    reset_every: int | None,
+    placeholder_tiers: set[str],
+    remember: bool,
+) -> tuple[PrefixIndex, Reference, int, list[SimulatedEngine]]:
+    """Simulated engines -> (lossy) stream -> index and reference; compared on every query."""
+    block_size = 4
+    rng = random.Random(seed)
+    workload = RecordingWorkload(
+        seed=seed,
+        block_size=block_size,
+        system_prompts=3,
+        system_prompt_blocks=(1, 4),
+        turn_tokens=(4, 40),
+        conversations=12,
+    )
+
+    def new_engine(i: int) -> SimulatedEngine:
+        return SimulatedEngine(
+            seed=seed + i,
+            block_size=block_size,
+            gpu_blocks=rng.choice((24, 48, 96)),
+            cpu_blocks=rng.choice((48, 128)),
+            remote_blocks=rng.choice((64, 256)),
+            requests_per_step=rng.randint(1, 3),
+            reset_every=reset_every,
+            workload=workload,
+            origin=f"engine-{i}",
+        )
+
+    index = PrefixIndex(block_size=block_size, seed=seed, keep_removed=10**9 if remember else 0)
+    reference = Reference(block_size, remember=remember)
+    fleet = [new_engine(i) for i in range(engines)]
+    epochs = [f"e{i}-0" for i in range(engines)]
+    seqs = [0] * engines
+    queries = 0
+
+    def deliver(batch: EventBatch) -> None:
+        index.apply(batch)
+        reference.apply(batch)
+
+    for _ in range(rounds):
+        for i in range(engines):
+            if rng.random() < restart:
+                fleet[i] = new_engine(i)
+                epochs[i] = f"e{i}-{rng.getrandbits(32):x}"
+                seqs[i] = 0
+            engine = fleet[i]
+            events = _placeholders(engine.step_events(), placeholder_tiers)
+            if duplicate and rng.random() < duplicate:
+                stores = [k for k, e in enumerate(events) if isinstance(e, BlockStored)]
+                if stores:
+                    k = rng.choice(stores)
+                    events.insert(k + 1, events[k])
+            batch = EventBatch(
+                seq=seqs[i], ts=0.0, events=events, origin=engine.origin, epoch=epochs[i]
+            )
+            seqs[i] += 1
+            if rng.random() < drop:
+                if rng.random() < 0.5:  # a subscriber that noticed reports it
+                    gap = Gap(engine.origin, epochs[i], batch.seq, batch.seq + 1)
+                    index.apply(gap)
+                    reference.apply(gap)
+                if rng.random() < snapshot:
+                    events = engine.snapshot()
+                    batch = EventBatch(
+                        seq=seqs[i], ts=0.0, events=events, origin=engine.origin, epoch=epochs[i]
+                    )
+                    seqs[i] += 1
+                    deliver(batch)
+                continue
+            deliver(batch)
+            if rng.random() < redeliver:
+                deliver(batch)  # the same (origin, epoch, seq) again: skipped by both
+        for tokens, lora in _queries(workload, rng, block_size):
+            queries += 1
+            expected = reference.match(tokens, lora)
+            got = index.match(tokens, lora)
+            assert got == expected, (tokens, lora)
+            fresh = [m for m in expected if not m.stale]
+            assert index.match(tokens, lora, include_stale=False) == fresh
+    return index, reference, queries, fleet
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+    seed=st.integers(0, 2**16),
+    engines=st.integers(1, 3),
+    rounds=st.integers(10, 45),
+    lossy=st.booleans(),
+    duplicate=st.sampled_from([0.0, 0.2]),
+    restart=st.sampled_from([0.0, 0.03]),
+    reset_every=st.sampled_from([None, 9]),
+    placeholder_tiers=st.sampled_from([set(), {"CPU"}, {"CPU", "EXTERNAL"}]),
+    remember=st.booleans(),
+)
+def test_index_equals_reference_on_simulated_engines(
+    seed: int,
+    engines: int,
+    rounds: int,
+    lossy: bool,
+    duplicate: float,
+    restart: float,
+    reset_every: int | None,
+    placeholder_tiers: set[str],
+    remember: bool,
+) -> None:
+    if placeholder_tiers and not remember:
+        # The CPU tier stores ancestors the GPU evicted long ago: a placeholder can
+        # only name them if the index remembers removed blocks.
+        remember = True
+    index, reference, queries, _ = _run_workload(
+        seed=seed,
+        engines=engines,
+        rounds=rounds,
+        drop=0.1 if lossy else 0.0,
+        duplicate=duplicate,
+        redeliver=0.05,
+        restart=restart,
+        snapshot=0.5,
+        reset_every=reset_every,
+        placeholder_tiers=placeholder_tiers,
+        remember=remember,
+    )
+    assert queries > 0
+    stats = index.statistics()
+    for name, o in reference.origins.items():
+        by_medium = {t: sum(1 for c in held.values() if c > 0) for t, held in o.held.items()}
+        assert stats.origins[name].by_medium == {t: n for t, n in by_medium.items() if n}
+        assert stats.origins[name].stale == o.stale
+        assert stats.origins[name].orphans == len(o.orphans)
+
+
+def test_lossless_workload_matches_the_engines_own_state() -> None:
+    """Without loss, the reference (and so the index) agrees with the engines' tiers."""
+    index, _, queries, fleet = _run_workload(
+        seed=7,
+        engines=3,
+        rounds=80,
+        drop=0.0,
+        duplicate=0.0,
+        redeliver=0.0,
+        restart=0.0,
+        snapshot=0.0,
+        reset_every=None,
+        placeholder_tiers=set(),
+        remember=False,
+    )
+    stats = index.statistics()
+    assert queries > 500
+    assert stats.unknown_removals == 0
+    assert stats.orphans_stored == 0
+    assert stats.gaps == 0
+    assert not any(o.stale for o in stats.origins.values())
+    assert sum(o.blocks for o in stats.origins.values()) > 100
+    assert stats.distinct_blocks > 50
+    for engine in fleet:
+        held = stats.origins[engine.origin].by_medium
+        assert held.get("GPU", 0) == len(engine.gpu)
+        assert held.get("CPU", 0) == len(engine.cpu.tier)
+        assert held.get("EXTERNAL", 0) == len(engine.remote.tier)
+
+
+def test_the_reference_is_not_the_index() -> None:
+    """The test can fail: a broken index (refcounts ignored) disagrees with the reference."""
+    index = PrefixIndex(block_size=B)
+    reference = Reference(B, remember=False)
+    stored = _stored([1, 2], list(range(8)))
+    batch = _batch(0, [stored, stored, BlockRemoved(block_hashes=[1, 2], medium="GPU")])
+    index.apply(batch)
+    reference.apply(batch)
+    assert index.match(list(range(8))) == reference.match(list(range(8)))
+    assert reference.match(list(range(8))) == [PrefixMatch("a", 2, "GPU")]
+    reference.origins["a"].held["GPU"].clear()
+    assert index.match(list(range(8))) != reference.match(list(range(8)))
+
+
+# -- hand-built edge cases -------------------------------------------------------------------------
+
+
+def _stored(
+    hashes: list[Any],
+    tokens: list[int],
+    parent: Any = None,
+    medium: str | None = "GPU",
+    **kwargs: Any,
+) -> BlockStored:
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=B if tokens else 0,
+        medium=medium,
+        **kwargs,
+    )
+
+
+def _batch(seq: int, events: list[KVCacheEvent], origin: str = "a", epoch: str = "e") -> EventBatch:
+    return EventBatch(seq=seq, ts=0.0, events=events, origin=origin, epoch=epoch)
+
+
+class Feed:
+    """Applies events as consecutive batches of one origin."""
+
+    def __init__(self, index: PrefixIndex, origin: str = "a", epoch: str = "e") -> None:
+        self.index = index
+        self.origin = origin
+        self.epoch = epoch
+        self.seq = 0
+
+    def __call__(self, *events: KVCacheEvent) -> None:
+        self.index.apply(_batch(self.seq, list(events), self.origin, self.epoch))
+        self.seq += 1
+
+
+T = list(range(100, 124))  # six blocks of four tokens
+
+
+def test_match_counts_leading_full_blocks_and_reports_the_tier() -> None:
+    index = PrefixIndex(block_size=B)
+    feed = Feed(index)
+    feed(_stored([1, 2, 3], T[:12]))
+    assert index.match(T) == [PrefixMatch("a", 3, "GPU")]
+    assert index.match(T[:11]) == [PrefixMatch("a", 2, "GPU")]  # only full blocks
+    assert index.match(T[:3]) == []
+    assert index.match(T[4:]) == []  # not a leading block
+    assert index.match([]) == []
+    # The first block held but the second evicted: one leading block.
+    feed(BlockRemoved(block_hashes=[2], medium="GPU"))
+    assert index.match(T) == [PrefixMatch("a", 1, "GPU")]
+
+
+def test_any_tier_counts_and_the_fastest_tier_is_reported() -> None:
+    index = PrefixIndex(block_size=B)
+    feed = Feed(index)
+    feed(_stored([1, 2], T[:8], medium="EXTERNAL"))
+    feed(_stored([1], T[:4], medium="CPU"))
+    feed(_stored([3], T[8:12], parent=2, medium="CPU"))
+    assert index.match(T) == [PrefixMatch("a", 3, "CPU")]
+    assert index.match(T[:8]) == [PrefixMatch("a", 2, "EXTERNAL")]
+    feed(_stored([1, 2], T[:8], medium="GPU"))
+    assert index.match(T[:8]) == [PrefixMatch("a", 2, "GPU")]
+    assert index.statistics().origins["a"].by_medium == {"EXTERNAL": 2, "CPU": 2, "GPU": 2}
+
+
+def test_results_are_best_first_across_origins() -> None:
+    index = PrefixIndex(block_size=B)
+    Feed(index, "short")(_stored([1], T[:4]))
+    Feed(index, "long")(_stored([7, 8, 9], T[:12], medium="CPU"))
+    Feed(index, "mid-cpu")(_stored([4, 5], T[:8], medium="CPU"))
+    Feed(index, "mid-gpu")(_stored([4, 5], T[:8]))
+    assert index.match(T) == [
+        PrefixMatch("long", 3, "CPU"),
+        PrefixMatch("mid-gpu", 2, "GPU"),
+        PrefixMatch("mid-cpu", 2, "CPU"),
+        PrefixMatch("short", 1, "GPU"),
+    ]
+
+
+def test_the_same_block_stored_twice_is_reference_counted() -> None:
+    index = PrefixIndex(block_size=B)
+    feed = Feed(index)
+    feed(_stored([1, 2], T[:8]))
+    feed(_stored([1, 2], T[:8]))
+    feed(BlockRemoved(block_hashes=[1, 2], medium="GPU"))
+    assert index.match(T) == [PrefixMatch("a", 2, "GPU")]
+    feed(BlockRemoved(block_hashes=[1, 2], medium="GPU"))
+    assert index.match(T) == []
+    stats = index.statistics()
+    assert stats.unknown_removals == 0
+    assert stats.distinct_blocks == 0
+
+
+def test_removals_of_unknown_blocks_are_counted_and_ignored() -> None:
+    index = PrefixIndex(block_size=B)
+    feed = Feed(index)
+    feed(_stored([1], T[:4]))
+    feed(BlockRemoved(block_hashes=[99], medium="GPU"))
+    feed(BlockRemoved(block_hashes=[1], medium="CPU"))  # known block, tier it is not on
+    assert index.match(T) == [PrefixMatch("a", 1, "GPU")]
+    assert index.statistics().unknown_removals == 2
+
+
+def test_all_blocks_cleared_clears_every_tier_of_one_origin_only() -> None:
+    index = PrefixIndex(block_size=B)
+    a, b = Feed(index, "a"), Feed(index, "b")
+    a(_stored([1, 2], T[:8]), _stored([1, 2], T[:8], medium="CPU"))
+    b(_stored([1], T[:4]))
+    a(AllBlocksCleared())
+    assert index.match(T) == [PrefixMatch("b", 1, "GPU")]
+    assert index.statistics().origins["a"].blocks == 0
+    # After the clear the origin's old hashes mean nothing: a removal is unknown.
+    a(BlockRemoved(block_hashes=[1], medium="GPU"))
+    assert index.statistics().unknown_removals == 1
+
+
+def test_a_new_epoch_drops_the_old_state() -> None:
+    index = PrefixIndex(block_size=B)
+    old = Feed(index, "a", "first")
+    old(_stored([1, 2], T[:8]))
+    old(_stored([3], T[8:12], parent=2))
+    new = Feed(index, "a", "second")
+    new(_stored([5], T[:4]))
+    assert index.match(T) == [PrefixMatch("a", 1, "GPU")]
+    stats = index.statistics()
+    assert stats.restarts == 1
+    assert stats.origins["a"].epoch == "second"
+    assert not stats.origins["a"].stale
+
+
+def test_an_orphan_is_kept_and_matchable_once_its_chain_is_known() -> None:
+    index = PrefixIndex(block_size=B)
+    feed = Feed(index)
+    feed(_stored([3, 4], T[8:16], parent=2))  # parent 2 never seen
+    assert index.match(T) == []
+    assert index.statistics().origins["a"].orphans == 2
+    assert index.statistics().orphans_stored == 2
+    feed(_stored([1], T[:4]))
+    assert index.match(T) == [PrefixMatch("a", 1, "GPU")]  # 2 still missing
+    feed(_stored([2], T[4:8], parent=1, medium="CPU"))
+    assert index.match(T) == [PrefixMatch("a", 4, "GPU")]
+    assert index.match(T[:8]) == [PrefixMatch("a", 2, "CPU")]
+    assert index.statistics().origins["a"].orphans == 0
+
+
+def test_an_orphan_can_be_removed_or_gain_tiers_before_its_chain_is_known() -> None:
+    index = PrefixIndex(block_size=B)
+    feed = Feed(index)
+    feed(_stored([2, 3], T[4:12], parent=1))
+    feed(_stored([3], [], medium="CPU"))  # placeholder: orphan 3 also on CPU
+    feed(BlockRemoved(block_hashes=[3], medium="GPU"))
+    feed(BlockRemoved(block_hashes=[2], medium="GPU"))  # orphan 2 gone entirely
+    assert index.statistics().origins["a"].orphans == 1
+    feed(_stored([1, 2], T[:8]))
+    assert index.match(T) == [PrefixMatch("a", 3, "CPU")]
+
+
+def test_orphans_are_bounded_oldest_first() -> None:
+    index = PrefixIndex(block_size=B, max_orphans=2)
+    feed = Feed(index)
+    feed(_stored([2], T[4:8], parent=1))
+    feed(_stored([12], T[8:12], parent=11))
+    feed(_stored([22], T[12:16], parent=21))
+    stats = index.statistics()
+    assert stats.origins["a"].orphans == 2
+    assert stats.orphans_dropped == 1
+    feed(_stored([1], T[:4]))
+    assert index.match(T) == [PrefixMatch("a", 1, "GPU")]  # orphan 2 was dropped
+
+
+def test_placeholders_update_tiers_of_known_blocks() -> None:
+    index = PrefixIndex(block_size=B)
+    feed = Feed(index)
+    feed(_stored([1, 2], T[:8]))
+    feed(_stored([1, 2], [], medium="CPU"))
+    feed(BlockRemoved(block_hashes=[1, 2], medium="GPU"))
+    assert index.match(T) == [PrefixMatch("a", 2, "CPU")]
+    feed(_stored([77], [], medium="CPU"))
+    assert index.statistics().unknown_placeholders == 1
+
+
+def test_placeholders_just_after_eviction_resolve_from_removed_memory() -> None:
+    # The GPU evicts and the offloading connector reports the CPU copy in the
+    # same step: GPU events come first in the batch.
+    for keep, expected in ((16, [PrefixMatch("a", 2, "CPU")]), (0, [])):
+        index = PrefixIndex(block_size=B, keep_removed=keep)
+        feed = Feed(index)
+        feed(_stored([1, 2], T[:8]))
+        feed(BlockRemoved(block_hashes=[2, 1], medium="GPU"), _stored([1, 2], [], medium="CPU"))
+        assert index.match(T) == expected
+
+
+def test_removed_memory_is_bounded() -> None:
+    index = PrefixIndex(block_size=B, keep_removed=1)
+    feed = Feed(index)
+    feed(_stored([1, 2], T[:8]))
+    feed(BlockRemoved(block_hashes=[2, 1], medium="GPU"))  # only 1 remembered
+    feed(_stored([1, 2], [], medium="CPU"))
+    assert index.match(T) == [PrefixMatch("a", 1, "CPU")]
+    assert index.statistics().unknown_placeholders == 1
+
+
+def test_a_gap_marks_the_origin_stale_until_a_snapshot() -> None:
+    index = PrefixIndex(block_size=B)
+    feed = Feed(index)
+    feed(_stored([1], T[:4]))
+    index.apply(Gap("a", "e", 1, 3))
+    feed.seq = 3
+    feed(_stored([2], T[4:8], parent=1))
+    assert index.match(T) == [PrefixMatch("a", 2, "GPU", stale=True)]
+    assert index.match(T, include_stale=False) == []
+    stats = index.statistics()
+    assert stats.gaps == 1
+    assert stats.origins["a"].stale_reason is not None
+    # A snapshot (AllBlocksCleared, then the content) makes it exact again.
+    feed(AllBlocksCleared(), _stored([1, 2], T[:8]))
+    assert index.match(T) == [PrefixMatch("a", 2, "GPU")]
+
+
+def test_a_seq_jump_marks_stale_and_a_new_epoch_clears_it() -> None:
+    index = PrefixIndex(block_size=B)
+    feed = Feed(index)
+    feed(_stored([1], T[:4]))
+    feed.seq = 5
+    feed(_stored([2], T[4:8], parent=1))
+    assert index.statistics().origins["a"].stale
+    assert index.statistics().gaps == 1
+    Feed(index, "a", "restarted")(_stored([1], T[:4]))
+    assert index.match(T) == [PrefixMatch("a", 1, "GPU")]
+
+
+def test_joining_late_marks_stale_and_duplicates_are_skipped() -> None:
+    index = PrefixIndex(block_size=B)
+    batch = _batch(4, [_stored([1], T[:4])])
+    index.apply(batch)
+    index.apply(batch)
+    assert index.match(T) == [PrefixMatch("a", 1, "GPU", stale=True)]
+    stats = index.statistics()
+    assert stats.duplicate_batches == 1
+    assert stats.batches == 1
+
+
+def test_mark_stale_and_origin_override() -> None:
+    index = PrefixIndex(block_size=B)
+    index.apply(_batch(0, [_stored([1], T[:4])], origin="ignored"), origin="engine-7")
+    assert index.origins() == ["engine-7"]
+    index.mark_stale("engine-7", "subscriber reconnected")
+    assert index.match(T) == [PrefixMatch("engine-7", 1, "GPU", stale=True)]
+    assert index.statistics().origins["engine-7"].stale_reason == "subscriber reconnected"
+
+
+def test_lora_and_extra_keys_are_part_of_a_block() -> None:
+    index = PrefixIndex(block_size=B)
+    feed = Feed(index)
+    feed(_stored([1, 2], T[:8], lora_name="sql"))
+    feed(_stored([3], T[:4], extra_keys=[["img-hash", 7]]))
+    assert index.match(T) == []
+    assert index.match(T, lora_name="sql") == [PrefixMatch("a", 2, "GPU")]
+    assert index.match(T, lora_name="other") == []
+    assert index.match(T, extra_keys=[["img-hash", 7]]) == [PrefixMatch("a", 1, "GPU")]
+    assert index.match(T, extra_keys=[("img-hash", 7)]) == [PrefixMatch("a", 1, "GPU")]
+    assert index.match(T, extra_keys=[["img-hash", 8]]) == []
+
+
+def test_events_with_another_block_size_are_counted_and_ignored() -> None:
+    index = PrefixIndex(block_size=B)
+    feed = Feed(index)
+    feed(BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=T[:8], block_size=8))
+    assert index.match(T) == []
+    assert index.statistics().wrong_block_size == 1
+
+
+def test_hashes_as_bytes_and_signed_integers() -> None:
+    index = PrefixIndex(block_size=B)
+    Feed(index, "bytes")(_stored([b"\x01" * 32, b"\x02" * 32], T[:8]))
+    Feed(index, "signed")(_stored([-5, -(2**63)], T[:8]))
+    feed = Feed(index, "bytes")
+    feed.seq = 1
+    feed(BlockRemoved(block_hashes=[b"\x02" * 32], medium="GPU"))
+    assert index.match(T) == [PrefixMatch("signed", 2, "GPU"), PrefixMatch("bytes", 1, "GPU")]
+
+
+def test_tokens_beyond_32_bits_hash_distinctly() -> None:
+    wide = [2**40 + 1, 2, 3, 4]
+    index = PrefixIndex(block_size=B)
+    Feed(index)(_stored([1, 2], [*wide, *T[:4]]))
+    assert index.match([*wide, *T[:4]]) == [PrefixMatch("a", 2, "GPU")]
+    assert index.match([1, 2, 3, 4, *T[:4]]) == []
+
+
+def test_own_hashes_are_the_documented_chain_and_depend_on_the_seed() -> None:
+    hasher = BlockHasher(B, seed=1)
+    chain = hasher.chain(None, T[:12])
+    assert len(chain) == 3
+    assert chain[:2] == hasher.chain(None, T[:8])
+    assert hasher.chain(chain[0], T[4:12]) == chain[1:]
+    assert BlockHasher(B, seed=2).chain(None, T[:4]) != chain[:1]
+    assert hasher.chain(None, T[:4], lora_name="x") != chain[:1]
+    assert BlockHasher(B, seed=1).chain(None, T[:12]) == chain  # deterministic
+    with pytest.raises(ConfigError, match="block_size"):
+        BlockHasher(0)
+    # The index keys its nodes by exactly this chain (white box: the node table).
+    for lora in (None, "x"):
+        index = PrefixIndex(block_size=B, seed=1)
+        Feed(index)(_stored([1, 2, 3], T[:12], lora_name=lora))
+        assert set(index._nodes) == set(hasher.chain(None, T[:12], lora_name=lora))
+
+
+def test_many_origins_and_forget() -> None:
+    index = PrefixIndex(block_size=B)
+    for i in range(40):  # more origins than the first slot width: nodes are re-laid
+        feed = Feed(index, f"o{i:02}")
+        feed(_stored([1, 2], T[:8], medium="CPU" if i % 2 else "GPU"))
+        if i % 3 == 0:
+            feed(BlockRemoved(block_hashes=[2], medium="CPU" if i % 2 else "GPU"))
+    matches = index.match(T)
+    assert len(matches) == 40
+    assert {m.origin for m in matches if m.blocks == 1} == {f"o{i:02}" for i in range(0, 40, 3)}
+    assert matches[0] == PrefixMatch("o01", 2, "GPU") or matches[0].medium == "GPU"
+    assert index.forget("o05")
+    assert not index.forget("o05")
+    assert "o05" not in {m.origin for m in index.match(T)}
+    Feed(index, "new")(_stored([9], T[:4]))  # takes the freed slot
+    assert PrefixMatch("new", 1, "GPU") in index.match(T)
+    assert len(index.match(T)) == 40
+
+
+def test_statistics_and_memory_estimate() -> None:
+    index = PrefixIndex(block_size=B)
+    feed = Feed(index)
+    feed(_stored([1, 2, 3], T[:12]), _stored([1], [], medium="CPU"))
+    stats = index.statistics()
+    assert stats.origins["a"].blocks == 3
+    assert stats.origins["a"].by_medium == {"GPU": 3, "CPU": 1}
+    assert stats.distinct_blocks == 3
+    assert stats.blocks_stored == 4
+    assert stats.memory_bytes > 0
+    assert not gc.is_tracked(index._nodes)  # integers only: the GC never walks them
+
+
+def test_configuration_errors() -> None:
+    with pytest.raises(ConfigError, match="block_size"):
+        PrefixIndex(block_size=0)
+    with pytest.raises(ConfigError, match="keep_removed"):
+        PrefixIndex(block_size=4, keep_removed=-1)
+
+
+def test_exported_from_the_package() -> None:
+    assert kvstream.PrefixIndex is PrefixIndex
+    assert "PrefixIndex" in kvstream.__all__
+    assert "PrefixMatch" in kvstream.__all__
+    assert kvstream.__all__ == sorted(kvstream.__all__)
+
+
+# -- the HTTP endpoint -----------------------------------------------------------------------------
+
+
+async def _http(port: int, raw: bytes) -> tuple[int, dict[str, str], Any]:
+    async with await anyio.connect_tcp("127.0.0.1", port) as stream:
+        await stream.send(raw)
+        data = b""
+        while True:
+            try:
+                data += await stream.receive()
+            except anyio.EndOfStream:
+                break
+            head, sep, body = data.partition(b"\r\n\r\n")
+            if sep:
+                lines = head.decode().split("\r\n")
+                headers = dict(line.split(": ", 1) for line in lines[1:])
+                if len(body) >= int(headers["Content-Length"]):
+                    return int(lines[0].split()[1]), headers, orjson.loads(body)
+    raise AssertionError(f"incomplete response {data!r}")
+
+
+def _post(body: bytes, path: str = "/match", extra: str = "") -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}"
+        "Connection: close\r\n\r\n"
+    ).encode() + body
+
+
+async def test_http_endpoint_over_a_real_socket(no_leaked_tasks: None) -> None:
+    index = PrefixIndex(block_size=B)
+    Feed(index, "engine-0")(_stored([1, 2], T[:8]))
+    async with QueryServer(index, port=0, max_request_bytes=4096) as server:
+        port = server.port
+        assert port > 0
+        status, _, body = await _http(port, _post(orjson.dumps({"token_ids": T})))
+        assert status == 200
+        assert body == {
+            "block_size": B,
+            "blocks": 6,
+            "matches": [{"origin": "engine-0", "blocks": 2, "medium": "GPU", "stale": False}],
+        }
+        status, _, body = await _http(
+            port, _post(orjson.dumps({"token_ids": T, "lora_name": "x", "include_stale": False}))
+        )
+        assert (status, body["matches"]) == (200, [])
+        status, _, body = await _http(port, b"GET /stats HTTP/1.1\r\nConnection: close\r\n\r\n")
+        assert status == 200
+        assert body["origins"]["engine-0"]["by_medium"] == {"GPU": 2}
+        assert body["distinct_blocks"] == 2
+
+        for payload, fragment in (
+            (b"{not json", "expected JSON"),
+            (b"[1, 2]", "expected a JSON object"),
+            (b'{"token_ids": "abc"}', "token_ids"),
+            (b'{"token_ids": [1, -2]}', "token_ids"),
+            (b'{"token_ids": [1.5]}', "token_ids"),
+            (b'{"token_ids": [1], "lora_name": 3}', "lora_name"),
+            (b'{"token_ids": [1], "colour": 3}', "colour"),
+            (b'{"token_ids": [1], "extra_keys": 3}', "extra_keys"),
+        ):
+            status, _, body = await _http(port, _post(payload))
+            assert status == 400, payload
+            assert fragment in body["error"], (payload, body)
+        status, _, body = await _http(port, _post(b"x" * 5000))
+        assert status == 413
+        status, _, _ = await _http(port, b"GET /nowhere HTTP/1.1\r\n\r\n")
+        assert status == 404
+        status, headers, _ = await _http(port, b"GET /match HTTP/1.1\r\n\r\n")
+        assert (status, headers["Allow"]) == (405, "POST")
+        status, _, _ = await _http(port, b"NONSENSE\r\n\r\n")
+        assert status == 400
+        status, _, _ = await _http(
+            port, b"POST /match HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        assert status == 501
+
+        # Keep-alive: two requests on one connection.
+        async with await anyio.connect_tcp("127.0.0.1", port) as stream:
+            body = orjson.dumps({"token_ids": T[:4]})
+            request = f"POST /match HTTP/1.1\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+            await stream.send(request + request)
+            data = b""
+            with anyio.fail_after(10):
+                while data.count(b"HTTP/1.1 200 OK") < 2 or not data.endswith(b"}]}"):
+                    data += await stream.receive()
+        assert server.requests >= 15
+    with pytest.raises(OSError, match="connection attempts failed"):  # the port is closed
+        await anyio.connect_tcp("127.0.0.1", port)
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+
+def test_cli_index_follows_a_file_and_answers_queries() -> None:
+    directory = tempfile.mkdtemp(dir="/tmp")
+    path = os.path.join(directory, "kv.jsonl")
+    codec = JsonCodec()
+    with open(path, "wb") as f:
+        f.write(codec.encode(_batch(0, [_stored([1, 2, 3], T[:12])], origin="engine-0")) + b"\n")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstream", "index", path, "--block-size", str(B), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        assert "http://127.0.0.1:" in line, line
+        port = int(line.rsplit(":", 1)[1].split()[0].strip("/"))
+
+        async def query() -> list[Any]:
+            with anyio.fail_after(30):
+                while True:
+                    status, _, body = await _http(port, _post(orjson.dumps({"token_ids": T})))
+                    assert status == 200
+                    if body["matches"]:
+                        return body["matches"]  # type: ignore[no-any-return]
+                    await anyio.sleep(0.05)
+
+        assert anyio.run(query) == [
+            {"origin": "engine-0", "blocks": 3, "medium": "GPU", "stale": False}
+        ]
+        # The file grows: the index follows it.
+        with open(path, "ab") as f:
+            f.write(
+                codec.encode(
+                    _batch(1, [BlockRemoved(block_hashes=[3], medium="GPU")], origin="engine-0")
+                )
+                + b"\n"
+            )
+
+        async def wait_for_two() -> None:
+            with anyio.fail_after(30):
+                while True:
+                    _, _, body = await _http(port, _post(orjson.dumps({"token_ids": T})))
+                    if body["matches"][0]["blocks"] == 2:
+                        return
+                    await anyio.sleep(0.05)
+
+        anyio.run(wait_for_two)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err.decode()
+
+
+def test_cli_index_demo_routes_better_than_random(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstream.cli.main import main
+
+    assert main(["index", "--demo", "--engines", "3", "--requests", "300"]) == 0
+    out = capsys.readouterr().out
+    assert "index routing" in out
+    assert "random routing" in out
+    rates = {
+        line.split(":")[0].strip(): float(line.split("hit rate")[1].split("%")[0])
+        for line in out.splitlines()
+        if "hit rate" in line
+    }
+    assert rates["index routing"] > rates["random routing"]
+
+
+def test_cli_index_needs_a_url_or_demo(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstream.cli.main import main
+
+    assert main(["index"]) == 2
+    assert "URL" in capsys.readouterr().err
+
+
+# -- in process, as docs/index.md shows it -----------------------------------------------------
+
+
+async def test_fed_in_process_through_a_queue_sink(no_leaked_tasks: None) -> None:
+    from kvstream import QueueSink, Scheduler
+
+    workload = Workload(seed=1)
+    engine = SimulatedEngine(workload=workload, origin="engine-0")
+    index = PrefixIndex(block_size=16)
+    sink = QueueSink()
+
+    async def consume() -> None:
+        async for batch in sink:
+            index.apply(batch)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consume)
+        async with Scheduler(sinks=[sink], origin="engine-0") as scheduler:
+            engine.attach(scheduler)
+            for _ in range(30):
+                await engine.astep(scheduler)
+                await scheduler.tick()
+            engine.close()
+        # The scheduler closed its sinks: the queue ends once everything is applied.
+
+    stats = index.statistics()
+    assert stats.batches == 30
+    assert stats.unknown_removals == 0
+    assert stats.orphans_stored == 0
+    assert stats.origins["engine-0"].by_medium == {
+        "GPU": len(engine.gpu),
+        "CPU": len(engine.cpu.tier),
+        "EXTERNAL": len(engine.remote.tier),
+    }
+    hits = [index.match(r.token_ids, r.lora_name) for r in workload.next_requests(20)]
+    assert any(m and m[0].blocks > 2 for m in hits)

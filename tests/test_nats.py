@@ -1,0 +1,424 @@
+"""NATS JetStream: the sink, the subscriber and the broker rules they share.
+
+Server tests run a real ``nats-server -js`` (see tests/servers.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from collections.abc import Callable
+
+import anyio
+import pytest
+from servers import CuttingProxy, NatsServer, free_port, nats_server, nats_servers, wait_until
+
+from kvstream.codecs.json import JsonCodec
+from kvstream.config import open_sink, open_subscriber
+from kvstream.consumers.base import Gap
+from kvstream.consumers.nats import NatsSubscriber
+from kvstream.errors import ClosedError, ConfigError, DecodeError, TransportError
+from kvstream.events import BlockRemoved, BlockStored, EventBatch
+from kvstream.scheduler import Scheduler
+from kvstream.sinks.memory import MemorySink
+from kvstream.sinks.nats import NatsSink
+from kvstream.wire.broker import (
+    PayloadDecoder,
+    check_subject,
+    default_subject,
+    key_from_headers,
+    message_id,
+    nats_headers,
+    subject_covers,
+    subject_token,
+)
+
+__all__ = ["nats_server", "nats_servers"]  # fixtures, imported for pytest
+
+SERVER = pytest.mark.server
+
+
+def stored(i: int, blocks: int = 1) -> BlockStored:
+    return BlockStored(
+        block_hashes=[i * 1000 + b + 1 for b in range(blocks)],
+        parent_block_hash=None,
+        token_ids=list(range(4 * blocks)),
+        block_size=4,
+        medium="GPU",
+    )
+
+
+def batch(seq: int, origin: str = "engine-0", epoch: str = "e1") -> EventBatch:
+    return EventBatch(seq=seq, ts=1.5 + seq, events=[stored(seq)], origin=origin, epoch=epoch)
+
+
+async def read_all(url: str, **kwargs: object) -> list[EventBatch | Gap]:
+    """Everything a subscriber yields from the stream's start until it has caught up."""
+    kwargs.setdefault("from_seq", 0)
+    items: list[EventBatch | Gap] = []
+    with anyio.fail_after(20):
+        async with open_subscriber(url, follow=False, **kwargs) as sub:
+            async for item in sub:
+                items.append(item)
+    return items
+
+
+def seqs(items: list[EventBatch | Gap]) -> list[int]:
+    assert not [i for i in items if isinstance(i, Gap)], items
+    return [i.seq for i in items if isinstance(i, EventBatch)]
+
+
+# -- rules (no server) ----------------------------------------------------------------
+
+
+def test_subject_token_keeps_safe_characters_and_replaces_the_rest() -> None:
+    assert subject_token("engine-0_a") == "engine-0_a"
+    assert subject_token("node-1.example:0") == "node-1_example_0"
+    assert subject_token("a b*c>d") == "a_b_c_d"
+    assert subject_token("") == "_"
+    assert default_subject("host.x") == "kv.events.host_x"
+
+
+def test_subject_covers_handles_wildcards_on_both_sides() -> None:
+    assert subject_covers("kv.events.>", "kv.events.a")
+    assert subject_covers("kv.events.>", "kv.events.*")
+    assert subject_covers("kv.events.>", "kv.events.>")
+    assert subject_covers("kv.*.a", "kv.events.a")
+    assert subject_covers(">", "kv.events.a")
+    assert not subject_covers("kv.*.a", "kv.events.>")
+    assert not subject_covers("kv.events.a", "kv.events.*")
+    assert not subject_covers("kv.events.>", "kv.events")
+    assert not subject_covers("kv.events.a", "kv.events.a.b")
+
+
+@pytest.mark.parametrize(
+    ("subject", "wildcards", "problem"),
+    [
+        ("", True, "empty"),
+        ("kv..a", True, "empty token"),
+        ("kv.a b", True, "white space"),
+        ("kv.>.a", True, "mixes a wildcard"),
+        ("kv.a*", True, "mixes a wildcard"),
+        ("kv.*", False, "cannot be published"),
+    ],
+)
+def test_check_subject_refuses_bad_subjects(subject: str, wildcards: bool, problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem):
+        check_subject(subject, wildcards=wildcards, where="test")
+
+
+def test_headers_carry_the_batch_name_and_message_id() -> None:
+    b = batch(7, origin="host:1\r\nX-Evil: 1", epoch="ab")
+    headers = nats_headers(b, "json")
+    assert all("\r" not in v and "\n" not in v for v in headers.values())
+    assert key_from_headers(headers) == ("host:1\r\nX-Evil: 1", "ab", 7)
+    assert headers["Nats-Msg-Id"] == message_id(b) == "host%3A1%0D%0AX-Evil%3A%201:ab:7"
+    assert message_id(batch(3, origin="engine-0.a", epoch="e1")) == "engine-0.a:e1:3"
+    with pytest.raises(DecodeError, match="Kv-Seq"):
+        key_from_headers({"Kv-Origin": "a", "Kv-Epoch": "b", "Kv-Seq": "x"})
+    with pytest.raises(DecodeError, match="no headers"):
+        key_from_headers(None)
+
+
+def test_payload_decoder_checks_the_payload_against_the_headers() -> None:
+    b = batch(4)
+    data = JsonCodec().encode(b)
+    decoder = PayloadDecoder()
+    assert decoder.decode(data, b.key, "json") == b
+    assert decoder.decode(data, b.key, None) == b
+    with pytest.raises(DecodeError, match="headers name"):
+        decoder.decode(data, ("engine-0", "e1", 5), "json")
+    with pytest.raises(DecodeError, match="codec"):
+        decoder.decode(data, b.key, "yaml")
+
+
+def test_msgpack_payload_gets_its_name_from_the_headers() -> None:
+    msgpack = pytest.importorskip("kvstream.codecs.msgpack")
+    b = batch(9, origin="o", epoch="e")
+    data = msgpack.MsgpackCodec().encode(b)
+    assert PayloadDecoder().decode(data, b.key, "msgpack") == b
+
+
+def test_urls_build_configured_sinks_and_subscribers() -> None:
+    sink = open_sink(
+        "nats://u:p@127.0.0.1:4333/kv.events.x?stream=S&create=true&max_age=60&policy=drop_oldest"
+    )
+    assert isinstance(sink, NatsSink)
+    assert (sink.subject, sink.stream, sink.create, sink.policy) == (
+        "kv.events.x",
+        "S",
+        True,
+        "drop_oldest",
+    )
+    assert sink.url == "nats://u:p@127.0.0.1:4333"
+    assert "p@" not in sink.name
+    assert sink.shown == "nats://127.0.0.1:4333"
+    assert open_sink("nats://127.0.0.1:4333").subject is None  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="cannot be published"):
+        open_sink("nats://127.0.0.1:4333/kv.events.*")
+    with pytest.raises(ConfigError, match="unknown option"):
+        open_sink("nats://127.0.0.1:4333?strem=S")
+    sub = open_subscriber("nats://127.0.0.1:4333/kv.events.>?durable=r1&deliver=new")
+    assert isinstance(sub, NatsSubscriber)
+    assert (sub.subject, sub.durable, sub.deliver, sub.follow) == ("kv.events.>", "r1", "new", True)
+    # Live batches only unless the reader asks for a from_seq (as kvstream.subscribe says).
+    assert open_subscriber("nats://127.0.0.1:4333").deliver == "new"  # type: ignore[attr-defined]
+    assert open_subscriber("nats://127.0.0.1:4333", from_seq=3).deliver == "all"  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="from_seq"):
+        open_subscriber("nats://127.0.0.1:4333", from_seq=-1)
+    with pytest.raises(ConfigError, match="deliver"):
+        open_subscriber("nats://127.0.0.1:4333?deliver=first")
+
+
+# -- with a server --------------------------------------------------------------------
+
+
+@SERVER
+async def test_round_trip_in_order_with_both_codecs(
+    nats_server: NatsServer, no_leaked_tasks: None
+) -> None:
+    msgpack = pytest.importorskip("kvstream.codecs.msgpack")
+    json_sink = NatsSink(nats_server.url, create=True)
+    pack_sink = NatsSink(nats_server.url, codec=msgpack.MsgpackCodec())
+    mem_a, mem_b = MemorySink(), MemorySink()
+    async with Scheduler(sinks=[json_sink, mem_a], origin="engine-a") as a:
+        for i in range(20):
+            a.emit([stored(i, blocks=3), BlockRemoved(block_hashes=[i], medium="GPU")])
+            await a.tick()
+    async with Scheduler(sinks=[pack_sink, mem_b], origin="engine-b", data_parallel_rank=1) as b:
+        for i in range(10):
+            b.emit(stored(i))
+            await b.tick()
+    assert json_sink.stream_name == pack_sink.stream_name == "KV_EVENTS"
+    items = await read_all(nats_server.url)
+    by_origin = {
+        origin: [i for i in items if isinstance(i, EventBatch) and i.origin == origin]
+        for origin in ("engine-a", "engine-b")
+    }
+    assert by_origin == {"engine-a": mem_a.batches, "engine-b": mem_b.batches}
+    assert len(items) == 30
+    # from_seq per origin: engine-a from 15, the others (no "*") from their start.
+    later = await read_all(nats_server.url, from_seq={"engine-a": 15})
+    assert [(b.origin, b.seq) for b in later if isinstance(b, EventBatch)] == [
+        *(("engine-a", n) for n in range(15, 20)),
+        *(("engine-b", n) for n in range(10)),
+    ]
+
+
+@SERVER
+async def test_subject_headers_and_msgid_dedup(nats_server: NatsServer) -> None:
+    import nats
+
+    sink = NatsSink(nats_server.url, create=True)
+    first = batch(0, origin="node-1.example")
+    async with sink:
+        sink.offer(first)
+        sink.offer(first)  # a resend of the same batch: the server drops it
+        sink.offer(batch(1, origin="node-1.example"))
+    assert sink.statistics().batches_out == 3
+    assert sink.duplicates == 1
+    client = await nats.connect(nats_server.url)
+    try:
+        info = await client.jsm().stream_info("KV_EVENTS")
+        assert info.state.messages == 2
+        msg = await client.jsm().get_msg("KV_EVENTS", 1)
+        assert msg.subject == "kv.events.node-1_example"
+        assert msg.headers is not None
+        assert msg.headers["Nats-Msg-Id"] == "node-1.example:e1:0"
+        assert msg.headers["Kv-Origin"] == "node-1.example"
+        assert (msg.headers["Kv-Seq"], msg.headers["Kv-Codec"]) == ("0", "json")
+        assert msg.data == JsonCodec().encode(first)
+    finally:
+        await client.close()
+
+
+@SERVER
+async def test_lost_ack_is_not_stored_twice(nats_server: NatsServer) -> None:
+    async with CuttingProxy(nats_server.port) as proxy:
+        sink = NatsSink(f"nats://127.0.0.1:{proxy.port}", create=True, retry_initial=0.01)
+        async with sink:
+            sink.offer(batch(0))
+            await wait_until(lambda: sink.statistics().batches_out == 1)
+            proxy.cut_next_reply(b'"seq":')  # the PubAck of the next publish
+            for seq in range(1, 5):
+                sink.offer(batch(seq))
+        assert proxy.cut.is_set()
+        assert proxy.connections >= 2
+    assert sink.statistics().send_errors >= 1
+    assert sink.duplicates == 1
+    assert seqs(await read_all(nats_server.url)) == [0, 1, 2, 3, 4]
+
+
+@SERVER
+async def test_restart_mid_stream_loses_nothing_and_another_process_reads_in_order(
+    nats_server: NatsServer,
+) -> None:
+    total = 120
+    sink = NatsSink(nats_server.url, create=True, ack_timeout=2.0, retry_max=0.5)
+    live: list[EventBatch | Gap] = []
+    sub = NatsSubscriber(
+        nats_server.url, durable="live", deliver="all", poll_interval=0.2, retry_max=0.5
+    )
+
+    async def follow(done: anyio.Event) -> None:
+        async with sub:
+            done.set()
+            async for item in sub:
+                live.append(item)
+                if isinstance(item, EventBatch) and item.seq == total - 1:
+                    return
+
+    with anyio.fail_after(40):
+        async with Scheduler(sinks=[sink], origin="engine-0") as sched:
+            async with anyio.create_task_group() as tg:
+                sched.emit(stored(0))
+                await sched.tick()
+                ready = anyio.Event()
+                await wait_until(lambda: sink.statistics().batches_out == 1)
+                tg.start_soon(follow, ready)
+                await ready.wait()
+                for i in range(1, total):
+                    sched.emit(stored(i))
+                    await sched.tick()
+                    if i == 40:
+                        await wait_until(lambda: sink.statistics().batches_out >= 30)
+                        await nats_server.arestart(down_for=0.3)
+                    await anyio.sleep(0.002)
+            report = await sched.aclose()
+    assert report.complete
+    assert sink.statistics().send_errors >= 1  # the restart was noticed
+    assert seqs(live) == list(range(total))
+    assert sub.reconnects >= 1  # the subscriber lived through the restart too
+
+    script = textwrap.dedent(
+        """
+        import sys, anyio
+        from kvstream.config import open_subscriber
+        from kvstream.events import EventBatch
+
+        async def main():
+            async with open_subscriber(sys.argv[1], follow=False, from_seq=0) as sub:
+                async for item in sub:
+                    kind = "batch" if isinstance(item, EventBatch) else "gap"
+                    print(kind, item.origin, item.epoch, getattr(item, "seq", -1), flush=True)
+
+        anyio.run(main)
+        """
+    )
+    result = await anyio.run_process(
+        [sys.executable, "-c", script, f"{nats_server.url}/kv.events.engine-0"], check=False
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    lines = result.stdout.decode().split()
+    rows = [lines[i : i + 4] for i in range(0, len(lines), 4)]
+    assert {r[0] for r in rows} == {"batch"}
+    assert {(r[1], r[2]) for r in rows} == {("engine-0", sched.epoch)}
+    assert [int(r[3]) for r in rows] == list(range(total))
+
+
+@SERVER
+async def test_durable_consumer_resumes_where_it_left_off(nats_server: NatsServer) -> None:
+    sink = NatsSink(nats_server.url, create=True)
+    async with sink:
+        for seq in range(12):
+            sink.offer(batch(seq))
+    url = f"{nats_server.url}?durable=reader"
+    got: list[int] = []
+    async with open_subscriber(url, from_seq=0) as sub:
+        async for item in sub:
+            assert isinstance(item, EventBatch)
+            got.append(item.seq)
+            if item.seq == 4:
+                break
+    assert got == [0, 1, 2, 3, 4]
+    await sub.aclose()  # idempotent
+    with pytest.raises(ClosedError):
+        aiter(sub)
+    assert seqs(await read_all(url)) == list(range(5, 12))
+    # A different durable name reads everything from the start.
+    assert seqs(await read_all(f"{nats_server.url}?durable=other")) == list(range(12))
+
+
+@SERVER
+async def test_oversized_batch_is_refused_counted_and_seen_as_a_gap(
+    nats_servers: Callable[..., NatsServer],
+) -> None:
+    server = nats_servers(config="max_payload: 4096\n")
+    sink = NatsSink(server.url, create=True)
+    big = EventBatch(seq=1, ts=2.0, events=[stored(1, blocks=400)], origin="engine-0", epoch="e1")
+    async with sink:
+        assert sink.max_message_size == 4096
+        sink.offer(batch(0))
+        sink.offer(big)
+        sink.offer(batch(2))
+    stats = sink.statistics()
+    assert (stats.batches_dropped, stats.events_dropped, sink.oversized) == (1, 1, 1)
+    items = await read_all(server.url)
+    assert [type(i).__name__ for i in items] == ["EventBatch", "Gap", "EventBatch"]
+    gap = items[1]
+    assert isinstance(gap, Gap)
+    assert (gap.first_missing, gap.next_seq) == (1, 2)
+
+
+@SERVER
+async def test_start_errors_are_clear(nats_servers: Callable[..., NatsServer]) -> None:
+    port = free_port()
+    with pytest.raises(TransportError, match=rf"^cannot reach nats://127\.0\.0\.1:{port}: "):
+        async with NatsSink(f"nats://127.0.0.1:{port}", create=True):
+            pass
+    with pytest.raises(TransportError, match=rf"^cannot reach nats://127\.0\.0\.1:{port}: "):
+        async with NatsSubscriber(f"nats://127.0.0.1:{port}"):
+            pass
+
+    plain = nats_servers(jetstream=False)
+    with pytest.raises(TransportError, match="JetStream is not enabled"):
+        async with NatsSink(plain.url, create=True):
+            pass
+
+    server = nats_servers(config='authorization { user: "kv", password: "s3cret" }\n')
+    with pytest.raises(TransportError, match="authorization violation"):
+        async with NatsSink(server.url, create=True):
+            pass
+    authed = f"nats://kv:s3cret@127.0.0.1:{server.port}"
+    with pytest.raises(ConfigError, match=r"add \?create=true"):
+        async with NatsSink(authed):
+            pass
+    with pytest.raises(ConfigError, match="no JetStream stream covers"):
+        async with NatsSubscriber(authed):
+            pass
+    async with NatsSink(authed, subject="kv.events.one", stream="ONE", create=True) as sink:
+        sink.offer(batch(0))
+    # An existing stream is never changed: not covering the subject, or other limits.
+    with pytest.raises(ConfigError, match="never changes an existing stream"):
+        async with NatsSink(authed, subject="kv.events.two", stream="ONE", create=True):
+            pass
+    with pytest.raises(ConfigError, match="max_age"):
+        async with NatsSink(authed, subject="kv.events.one", create=True, max_age=60.0):
+            pass
+
+
+@SERVER
+async def test_cli_errors_and_demo_through_nats(nats_server: NatsServer) -> None:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    port = free_port()
+    demo = [sys.executable, "-m", "kvstream", "demo", "--steps", "3", "--sink"]
+    failed = await anyio.run_process([*demo, f"nats://127.0.0.1:{port}"], check=False, env=env)
+    assert failed.returncode == 2
+    assert f"cannot reach nats://127.0.0.1:{port}" in failed.stderr.decode()
+    assert "Traceback" not in failed.stderr.decode()
+
+    url = f"{nats_server.url}?create=true"
+    done = await anyio.run_process(
+        [sys.executable, "-m", "kvstream", "demo", "--steps", "40", "--rate", "0", "--sink", url],
+        check=False,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    items = await read_all(nats_server.url)
+    from kvstream.sim import check_consistency
+
+    batches = [i for i in items if isinstance(i, EventBatch)]
+    assert len(batches) > 0
+    assert seqs(items) == list(range(len(batches)))
+    check_consistency(batches)

@@ -1,0 +1,330 @@
+"""``kvstream relay``: a vLLM-style publisher's stream, gaps repaired by replay, into a file.
+
+The publisher is written here from WIRE.md with plain pyzmq (a PUB and a ROUTER
+replay in a thread) and msgspec structs declared in this file; the relay runs
+as a real subprocess, so SIGTERM is a real signal.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from kvstream.cli.main import main
+from kvstream.codecs.json import JsonCodec
+from kvstream.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVCacheEvent
+from kvstream.sim import SimulatedEngine, check_consistency
+
+END = b"\xff" * 8
+
+
+# -- vLLM's map-profile structs, from WIRE.md ---------------------------------------------------
+
+
+class VStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[list[Any] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+
+
+class VRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True):
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+
+
+class VCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", omit_defaults=True):
+    pass
+
+
+class VBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[VStored | VRemoved | VCleared]
+    data_parallel_rank: int | None
+
+
+def to_vllm(event: KVCacheEvent) -> VStored | VRemoved | VCleared:
+    if isinstance(event, BlockStored):
+        fields = msgspec.structs.asdict(event)
+        del fields["metadata"]
+        return VStored(**fields)
+    if isinstance(event, BlockRemoved):
+        return VRemoved(event.block_hashes, event.medium, event.group_idx, event.locality)
+    assert isinstance(event, AllBlocksCleared)
+    return VCleared()
+
+
+class VllmStylePublisher(threading.Thread):
+    """A PUB for the live stream and a ROUTER replaying its ring, as WIRE.md describes."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.ready = threading.Event()
+        self.stopping = threading.Event()
+        self.commands: queue.Queue[tuple[int, bytes, bool]] = queue.Queue()
+        self.ring: list[tuple[int, bytes]] = []
+        #: start_seq of every replay request, recorded once its reply is sent.
+        self.requests: list[int] = []
+        self.pub_port = 0
+        self.replay_port = 0
+
+    def publish(self, seq: int, events: list[KVCacheEvent], *, live: bool = True) -> None:
+        payload = msgspec.msgpack.encode(
+            VBatch(1767225600.0 + seq, [to_vllm(e) for e in events], 0)
+        )
+        self.commands.put((seq, payload, live))
+
+    def run(self) -> None:
+        ctx = zmq.Context()
+        pub = ctx.socket(zmq.PUB)
+        router = ctx.socket(zmq.ROUTER)
+        try:
+            self.pub_port = pub.bind_to_random_port("tcp://127.0.0.1")
+            self.replay_port = router.bind_to_random_port("tcp://127.0.0.1")
+            self.ready.set()
+            poller = zmq.Poller()
+            poller.register(router, zmq.POLLIN)
+            while not self.stopping.is_set():
+                while True:
+                    try:
+                        seq, payload, live = self.commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    self.ring.append((seq, payload))
+                    if live:
+                        pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+                if poller.poll(5):
+                    frames = router.recv_multipart()
+                    if len(frames) != 3:
+                        continue
+                    identity, _, start_frame = frames
+                    start = int.from_bytes(start_frame, "big")
+                    for seq, payload in self.ring:
+                        if seq >= start:
+                            router.send_multipart(
+                                [identity, b"", b"", seq.to_bytes(8, "big"), payload]
+                            )
+                    router.send_multipart([identity, b"", b"", END, b""])
+                    self.requests.append(start)
+        finally:
+            pub.close(linger=0)
+            router.close(linger=0)
+            ctx.term()
+
+
+@pytest.fixture
+def publisher() -> Iterator[VllmStylePublisher]:
+    pub = VllmStylePublisher()
+    pub.start()
+    assert pub.ready.wait(10)
+    try:
+        yield pub
+    finally:
+        pub.stopping.set()
+        pub.join(10)
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    path = tempfile.mkdtemp(dir="/tmp", prefix="kvr")
+    try:
+        yield Path(path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def engine_steps(n: int) -> list[list[KVCacheEvent]]:
+    engine = SimulatedEngine(seed=11, gpu_blocks=48, cpu_blocks=96, remote_blocks=128)
+    steps = []
+    while len(steps) < n:
+        events = engine.step_events()
+        if events:
+            steps.append(events)
+    return steps
+
+
+def start_relay(publisher: VllmStylePublisher, out: Path, *extra: str) -> subprocess.Popen[str]:
+    source = (
+        f"zmq+tcp://127.0.0.1:{publisher.pub_port}"
+        f"?replay=tcp://127.0.0.1:{publisher.replay_port}&origin=vllm-0&from_seq=0"
+    )
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvstream",
+            "relay",
+            "--source",
+            source,
+            "--sink",
+            f"file:{out}",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def read_out(out: Path) -> list[EventBatch]:
+    if not out.exists():
+        return []
+    data = out.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    return JsonCodec().decode_lines(complete)
+
+
+def wait_for(condition: Any, proc: subprocess.Popen[str], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            pytest.fail(f"relay exited early ({proc.returncode}): {proc.communicate()[1]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"timed out; relay stderr: {proc.communicate()[1]}")
+        time.sleep(0.02)
+
+
+def stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"relay did not stop on SIGTERM: {err}")
+    return proc.returncode, err
+
+
+def test_relay_carries_a_vllm_stream_with_a_gap_repaired_by_replay(
+    publisher: VllmStylePublisher, workdir: Path
+) -> None:
+    steps = engine_steps(60)
+    dropped = 30
+    for seq in range(10):  # before the relay runs: only the ring has them
+        publisher.publish(seq, steps[seq], live=False)
+    out = workdir / "out.jsonl"
+    proc = start_relay(publisher, out, "--interval", "0.02")
+    try:
+        wait_for(lambda: publisher.requests, proc)  # the relay asked for 0.. and got it
+        for seq in range(10, 60):
+            # Batch 30 never goes out live: only a replay can bring it.
+            publisher.publish(seq, steps[seq], live=seq != dropped)
+            time.sleep(0.002)
+        want = [e for step in steps for e in step]
+        wait_for(lambda: sum(len(b) for b in read_out(out)) >= len(want), proc)
+    finally:
+        code, err = stop(proc)
+    assert code == 0, err
+    batches = read_out(out)
+    assert [e for b in batches for e in b.events] == want  # nothing lost, in order
+    assert {b.origin for b in batches} == {"vllm-0"}
+    assert [b.seq for b in batches] == list(range(len(batches)))  # the relay's own numbering
+    check_consistency(batches)
+    # The first request was the start (from 0); a later one repaired the gap at 30.
+    assert publisher.requests[0] == 0
+    assert any(start <= dropped for start in publisher.requests[1:])
+    summary = err.strip().splitlines()[-1]
+    assert summary.startswith("kvstream relay: 60 batches")
+    assert "0 upstream gap(s)" in summary
+    assert "stopped by SIGTERM" in err
+
+
+def test_sigterm_flushes_what_the_relay_holds(publisher: VllmStylePublisher, workdir: Path) -> None:
+    steps = engine_steps(20)
+    for seq, events in enumerate(steps):
+        publisher.publish(seq, events, live=False)
+    out = workdir / "out.jsonl"
+    # A tick every minute: nothing reaches the file unless SIGTERM flushes it.
+    proc = start_relay(publisher, out, "--interval", "60")
+    try:
+        wait_for(lambda: publisher.requests, proc)
+    finally:
+        code, err = stop(proc)
+    assert code == 0, err
+    batches = read_out(out)
+    assert [e for b in batches for e in b.events] == [e for step in steps for e in step]
+    assert len(batches) == 1  # one tick: the flush
+    assert "kvstream relay: 20 batches" in err.strip().splitlines()[-1]
+
+
+def test_relay_keeps_the_origins_of_a_kvstream_upstream(workdir: Path) -> None:
+    codec = JsonCodec()
+    source = workdir / "in.jsonl"
+    lines = []
+    for seq in range(3):
+        for origin in ("gpu-a", "gpu-b"):
+            event = BlockRemoved(block_hashes=[seq], medium="GPU")
+            lines.append(
+                codec.encode(EventBatch(seq=seq, ts=1.0, events=[event], origin=origin, epoch="e1"))
+            )
+    # gpu-a restarts upstream: the relay forwards AllBlocksCleared for it.
+    restarted = EventBatch(
+        seq=0,
+        ts=2.0,
+        events=[BlockRemoved(block_hashes=[9], medium="GPU")],
+        origin="gpu-a",
+        epoch="e2",
+    )
+    source.write_bytes(b"".join(lines) + codec.encode(restarted))
+    out = workdir / "out.jsonl"
+    assert (
+        main(["relay", "--source", f"file:{source}", "--sink", f"file:{out}", "--interval", "0.01"])
+        == 0
+    )
+    batches = read_out(out)
+    by_origin: dict[str, list[KVCacheEvent]] = {}
+    for b in batches:
+        by_origin.setdefault(b.origin, []).extend(b.events)
+    assert by_origin["gpu-b"] == [BlockRemoved(block_hashes=[s], medium="GPU") for s in range(3)]
+    assert by_origin["gpu-a"] == [
+        *[BlockRemoved(block_hashes=[s], medium="GPU") for s in range(3)],
+        AllBlocksCleared(),
+        BlockRemoved(block_hashes=[9], medium="GPU"),
+    ]
+
+
+def test_relay_refuses_a_shared_topic_for_several_sources(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = main(
+        [
+            "relay",
+            "--source",
+            "zmq+tcp://127.0.0.1:1?origin=a",
+            "--source",
+            "zmq+tcp://127.0.0.1:2?origin=b",
+            "--sink",
+            "zmq+tcp://127.0.0.1:3?topic=fixed",
+        ]
+    )
+    assert code == 2
+    assert "topic per origin" in capsys.readouterr().err
+    assert main(["relay", "--sink", "-"]) == 2
+    assert main(["relay", "--source", "file:x", "--kv-events-config", '{"hwm": "x"}']) == 2

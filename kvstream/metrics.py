@@ -15,10 +15,11 @@ thread), for ``--metrics ADDR`` on the long-running commands::
 
 Names follow Prometheus conventions: ``kvstream_`` prefix, counters end in
 ``_total``, units in the name (``_bytes``). The sink, source and scheduler
-records map field by field (see :data:`SINK_FIELDS` and friends); fields a sink
-adds to its own statistics record (``replay_hits``, ``reconnects``, ``gaps``
-...) are exported too, as counters when their name says they count
-(:func:`metric_for_field`), otherwise as gauges.
+records map field by field (see :data:`SINK_FIELDS` and friends); a sink's
+transport record (its other ``*_statistics()`` methods: the socket sink's
+``server_statistics()``, the ZMQ sink's ``zmq_statistics()``) and the fields of
+any other target are exported by one rule (:func:`metric_for_field`): integers
+are counters unless the name says they are a level.
 
 Needs the ``metrics`` extra (``pip install 'kvstream[metrics]'``).
 """
@@ -119,55 +120,73 @@ SINK_FIELDS: Final[Mapping[str, MetricSpec]] = {
     "undelivered_events": _g("undelivered_events", "Events not delivered at close."),
 }
 
-# A field counts something when its last word says so (``replay_hits``,
-# ``reconnects``, ``bytes_in``); anything else numeric is a gauge.
-_COUNTING_WORDS: Final = frozenset(
+# Statistics records count things: an integer field is a counter unless its
+# name says it is a level. A level's first word (``queued_bytes``,
+# ``pending_events``, ``ring_batches``) or last word (``subscribers``,
+# ``block_size``, ``replays_active``) says so.
+_LEVEL_FIRST: Final = frozenset(
     {
-        "accepted",
-        "disconnects",
-        "dropped",
-        "duplicates",
-        "errors",
-        "failures",
-        "gaps",
-        "hits",
-        "in",
-        "lines",
-        "misses",
-        "missing",
-        "out",
-        "received",
-        "reconnects",
-        "replayed",
-        "retries",
-        "rotations",
-        "sealed",
-        "sent",
-        "ticks",
-        "timeouts",
-        "total",
+        "active",
+        "connected",
+        "current",
+        "distinct",
+        "held",
+        "inflight",
+        "lag",
+        "last",
+        "max",
+        "memory",
+        "min",
+        "next",
+        "open",
+        "pending",
+        "queued",
+        "ring",
+        "undelivered",
     }
 )
-# ...unless its first word says it is a level (``queued_bytes``, ``pending_events``).
-_LEVEL_WORDS: Final = frozenset(
-    {"connected", "current", "held", "last", "pending", "queued", "ring", "undelivered"}
+_LEVEL_LAST: Final = frozenset(
+    {
+        "active",
+        "blocks",
+        "capacity",
+        "connected",
+        "depth",
+        "entries",
+        "healthy",
+        "limit",
+        "orphans",
+        "origins",
+        "running",
+        "seq",
+        "size",
+        "subscribers",
+        "subscriptions",
+    }
 )
 _NAME_OK = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
 
-def metric_for_field(field: str) -> MetricSpec:
+def metric_for_field(field: str, value: object = 0) -> MetricSpec:
     """How a field no table names is exported.
 
-    Counters: the last word is a counting word (``hits``, ``reconnects``, ``gaps``,
-    ``errors``, ``in``, ``out`` ...) and the first is not a level word
-    (``queued``, ``pending`` ...). A ``bytes`` word moves to the end as the
-    unit: ``bytes_in`` -> ``in_bytes_total``, ``replay_bytes`` -> ``replay_bytes``.
+    A flag or a float is a gauge. An integer is a counter (``replay_hits``,
+    ``reconnects``, ``gap_notices``, ``blocks_stored``) unless its first word is
+    a level word (``queued``, ``pending``, ``ring``, ``lag``, ``memory``,
+    ``next`` ...) or its last word is one (``subscribers``, ``active``,
+    ``size``, ``blocks``, ``origins`` ...). A ``bytes`` word moves to the end
+    as the unit: ``bytes_in`` -> ``in_bytes_total``.
     """
     words = field.split("_")
-    counter = words[-1] in _COUNTING_WORDS and words[0] not in _LEVEL_WORDS
+    counter = (
+        type(value) is int
+        and words[0] not in _LEVEL_FIRST
+        and words[-1] not in _LEVEL_LAST
+        and field not in _LEVEL_LAST
+    )
     if "bytes" in words and words[-1] != "bytes":
         words = [w for w in words if w != "bytes"] + ["bytes"]
-    if counter and words[-1] == "total":
+    if counter and words[-1] == "total" and len(words) > 1:
         words = words[:-1]
     name = "_".join(words)
     what = field.replace("_", " ")
@@ -227,6 +246,32 @@ class _Families:
 
     def __iter__(self) -> Iterator[Metric]:
         return iter(self._families.values())
+
+
+def _transport_records(sink: Sink) -> list[Any]:
+    """A sink's own records beside ``statistics()``: its other ``*_statistics()`` methods.
+
+    Such a method (``server_statistics()``, ``zmq_statistics()``) returns one
+    record about the sink's transport. Methods returning a plain tuple of
+    records (one per subscriber) are skipped: one label value per peer would
+    make the metric set grow without bound.
+    """
+    records: list[Any] = []
+    for attr in dir(type(sink)):
+        if attr == "statistics" or attr.startswith("_") or not attr.endswith("_statistics"):
+            continue
+        method = getattr(sink, attr, None)
+        if not callable(method):
+            continue
+        try:
+            record = method()
+        except Exception as exc:  # a broken record must not break the scrape
+            log.warning("metrics: %s.%s() failed: %s", sink.name, attr, exc)
+            continue
+        if isinstance(record, tuple) and not hasattr(record, "_asdict"):
+            continue
+        records.append(record)
+    return records
 
 
 def _unique(name: str, seen: dict[str, int]) -> str:
@@ -300,9 +345,10 @@ class StatisticsCollector:
                 self._generic(families, kind, stats, labels, {})
             elif isinstance(target, Scheduler):
                 infos.append((stats.origin, stats.epoch))
-                self._scheduler(families, stats, labels, sink_names, source_names)
-            else:
-                self._sink(families, stats, labels, sink_names)
+                sinks = target.sinks
+                self._scheduler(families, stats, labels, sink_names, source_names, sinks)
+            elif isinstance(target, Sink):
+                self._sink(families, target, stats, labels, sink_names)
         yield from families
         info = InfoMetricFamily(
             f"{NAMESPACE}_scheduler",
@@ -321,6 +367,7 @@ class StatisticsCollector:
         extra: dict[str, str],
         sink_names: dict[str, int],
         source_names: dict[str, int],
+        sinks: tuple[Sink, ...],
     ) -> None:
         labels = {"origin": stats.origin, **extra}
         fields = _fields(stats)
@@ -344,15 +391,23 @@ class StatisticsCollector:
                     families.add("source", spec, src_labels, value, field)
             failed = _g("failed", "1 when the source raised and was closed.")
             families.add("source", failed, src_labels, float(src.get("error") is not None), "")
-        for sink in stats.sinks:
-            self._sink(families, sink, extra, sink_names)
+        for sink, record in zip(sinks, stats.sinks, strict=False):
+            self._sink(families, sink, record, extra, sink_names)
 
     def _sink(
-        self, families: _Families, stats: Any, extra: dict[str, str], names: dict[str, int]
+        self,
+        families: _Families,
+        sink: Sink,
+        stats: Any,
+        extra: dict[str, str],
+        names: dict[str, int],
     ) -> None:
         fields = _fields(stats)
         labels = {"sink": _unique(str(fields.pop("name", "sink")), names), **extra}
         fields.pop("policy", None)
+        for record in _transport_records(sink):
+            for field, value in _fields(record).items():
+                fields.setdefault(field, value)  # the base record's fields win
         self._generic(families, "sink", fields, labels, SINK_FIELDS)
 
     def _generic(
@@ -367,7 +422,7 @@ class StatisticsCollector:
             value = _number(raw)
             if value is None:
                 continue
-            spec = table.get(field) or metric_for_field(field)
+            spec = table.get(field) or metric_for_field(field, raw)
             families.add(kind, spec, labels, value, field)
 
 

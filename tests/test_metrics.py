@@ -155,18 +155,71 @@ async def test_fields_a_sink_adds_are_exported() -> None:
 
 
 def test_metric_for_field() -> None:
-    assert metric_for_field("replay_hits") == (
-        "counter",
-        "replay_hits",
-        metric_for_field("replay_hits").help,
-    )
-    assert metric_for_field("bytes_in")[:2] == ("counter", "in_bytes")
-    assert metric_for_field("reconnects")[:2] == ("counter", "reconnects")
-    assert metric_for_field("requests_total")[:2] == ("counter", "requests")
-    assert metric_for_field("queued_batches")[:2] == ("gauge", "queued_batches")
-    assert metric_for_field("pending_events")[:2] == ("gauge", "pending_events")
-    assert metric_for_field("ring_bytes")[:2] == ("gauge", "ring_bytes")
-    assert metric_for_field("subscribers")[:2] == ("gauge", "subscribers")
+    def kind_and_name(field: str, value: object = 0) -> tuple[str, str]:
+        spec = metric_for_field(field, value)
+        return spec.type, spec.name
+
+    assert kind_and_name("replay_hits") == ("counter", "replay_hits")
+    assert kind_and_name("bytes_in") == ("counter", "in_bytes")
+    assert kind_and_name("reconnects") == ("counter", "reconnects")
+    assert kind_and_name("gap_notices") == ("counter", "gap_notices")
+    assert kind_and_name("blocks_stored") == ("counter", "blocks_stored")
+    assert kind_and_name("requests_total") == ("counter", "requests")
+    assert kind_and_name("queued_batches") == ("gauge", "queued_batches")
+    assert kind_and_name("pending_events") == ("gauge", "pending_events")
+    assert kind_and_name("ring_bytes") == ("gauge", "ring_bytes")
+    assert kind_and_name("memory_bytes") == ("gauge", "memory_bytes")
+    assert kind_and_name("subscribers") == ("gauge", "subscribers")
+    assert kind_and_name("replays_active") == ("gauge", "replays_active")
+    assert kind_and_name("block_size") == ("gauge", "block_size")
+    assert kind_and_name("connected", True) == ("gauge", "connected")
+    assert kind_and_name("ratio", 0.5) == ("gauge", "ratio")
+
+
+class ServerStatistics(NamedTuple):
+    address: str
+    subscribers: int
+    slow_disconnects: int
+    gap_notices: int
+    ring_bytes: int
+    batches_out: int  # also a base field: the base record's value wins
+
+
+class Peer(NamedTuple):
+    peer: str
+    batches_sent: int
+
+
+class ServingSink(MemorySink):
+    """A sink with a transport record beside statistics(), like the socket sink's."""
+
+    def server_statistics(self) -> ServerStatistics:
+        return ServerStatistics("tcp://127.0.0.1:1", 3, 2, 5, 4096, batches_out=999)
+
+    def subscriber_statistics(self) -> tuple[Peer, ...]:
+        return (Peer("a", 1), Peer("b", 2))  # one per peer: not exported
+
+
+async def test_a_sinks_transport_record_is_exported() -> None:
+    sink = ServingSink(name="serve")
+    async with Scheduler(sinks=[sink], origin="o") as scheduler:
+        scheduler.emit(stored(1))
+        await scheduler.tick()
+        with anyio.fail_after(10):
+            while True:
+                if sink.statistics().batches_out == 1:
+                    break
+                await anyio.sleep(0.01)
+        families = {f.name: f for f in StatisticsCollector(scheduler).collect()}
+    samples_of = {name: [s.value for s in f.samples] for name, f in families.items()}
+    assert families["kvstream_sink_slow_disconnects"].type == "counter"
+    assert samples_of["kvstream_sink_slow_disconnects"] == [2]
+    assert families["kvstream_sink_gap_notices"].type == "counter"
+    assert families["kvstream_sink_subscribers"].type == "gauge"
+    assert samples_of["kvstream_sink_subscribers"] == [3]
+    assert families["kvstream_sink_ring_bytes"].type == "gauge"
+    assert samples_of["kvstream_sink_batches_out"] == [1]
+    assert not any("peer" in name or "batches_sent" in name for name in families)
 
 
 class Reader:

@@ -19,6 +19,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 import anyio
+import msgspec
 import orjson
 from anyio.abc import SocketAttribute
 import pytest
@@ -267,9 +268,8 @@ async def test_replay_is_bounded_by_the_ring_and_never_holds_up_live_publishing(
     codec_bytes = sum(len(sink.codec.encode(b)) for b in replayed)  # type: ignore[union-attr]
     assert codec_bytes <= ring  # never more than the ring holds
     assert len(replayed) < produced / 5
-    stats = sink.server_statistics()
-    # The stalled replayers fell behind and were cut off (they can resume from the ring).
-    assert stats.slow_disconnects >= 1
+    # Whatever the stalled replayers cost, it was theirs: nothing dropped at the sink
+    # (a replayer that falls behind is cut off and can resume from the ring).
     assert sink.statistics().batches_dropped == 0
 
 
@@ -351,6 +351,9 @@ async def test_the_zmq_replay_router_survives_malformed_requests_and_leaving_cli
             ]
             for frames in malformed:
                 await hostile.send_multipart(frames)
+            with anyio.fail_after(10):  # one burst: all of it before any valid request
+                while sink.zmq_statistics().replay_malformed < len(malformed):
+                    await anyio.sleep(0.01)
 
             # A well-formed request still gets exactly what the ring holds, in order.
             dealer = ctx.socket(zmq.DEALER)
@@ -361,7 +364,9 @@ async def test_the_zmq_replay_router_survives_malformed_requests_and_leaving_cli
             codec = MsgpackCodec()
             for r in replies:
                 batch = codec.decode(r.payload, seq=r.seq, origin="eng")
-                assert batch.events == stream.events(r.seq * PER_BATCH, (r.seq + 1) * PER_BATCH)
+                sent = stream.events(r.seq * PER_BATCH, (r.seq + 1) * PER_BATCH)
+                # vLLM's wire carries no metadata; everything else is the same.
+                assert batch.events == [msgspec.structs.replace(e, metadata=None) for e in sent]
             assert await _replay(dealer, produced + 5) == []  # ahead of the ring: nothing
 
             # Clients that ask for everything and never read, then vanish.
@@ -385,13 +390,101 @@ async def test_the_zmq_replay_router_survives_malformed_requests_and_leaving_cli
             dealer.close()
             report = await scheduler.aclose()
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)
 
     assert report.complete
     assert stats.replay_malformed == len(malformed)
     assert stats.ring_batches == 50
     assert stats.replay_batches_sent <= 50 * (stats.replay_requests - stats.replay_busy)
+    # Every request that arrived was answered to its end, or given up and counted.
+    assert stats.replay_requests == (
+        stats.replays_completed + stats.replays_abandoned + stats.replay_busy
+    )
     base = sink.statistics()
     assert (base.batches_out, base.batches_dropped) == (produced, 0)
     malformed_logs = [r for r in caplog.records if "malformed replay request" in r.getMessage()]
     assert len(malformed_logs) == 1  # one burst, one record
+
+
+async def test_a_zmq_subscriber_survives_a_hostile_publisher_that_goes_away_and_restarts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A raw XPUB plays a broken vLLM publisher: malformed frames, an undecodable
+    payload, then it dies and a new instance restarts at seq 0. The subscriber
+    skips and counts the junk, reports the batch it lost as a gap, and treats
+    the restart as a new epoch."""
+    caplog.set_level(logging.WARNING)
+    stream = SeededEvents(32)
+    codec = MsgpackCodec()
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    ctx = zmq.asyncio.Context()
+
+    def message(seq: int) -> list[bytes]:
+        events = [msgspec.structs.replace(e, metadata=None) for e in stream.events(seq, seq + 3)]
+        payload = codec.encode(EventBatch(seq=seq, ts=1.0, events=events))
+        return vz.live_frames(b"", vz.pack_seq(seq), payload)
+
+    async def open_publisher() -> zmq.asyncio.Socket:
+        pub = ctx.socket(zmq.XPUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        with anyio.fail_after(20):
+            while True:  # the closed instance releases the port in ZMQ's I/O thread
+                try:
+                    pub.bind(endpoint)
+                    break
+                except zmq.ZMQError as exc:
+                    if exc.errno != zmq.EADDRINUSE:
+                        raise
+                    await anyio.sleep(0.05)
+            assert (await pub.recv())[:1] == b"\x01"  # the subscriber is subscribed
+        return pub
+
+    items: list[Any] = []
+    got_all = anyio.Event()
+    sub = ZmqSubscriber(ZmqPublisher(endpoint, origin="hostile"), poll_interval=0.02)
+    try:
+        async with sub, anyio.create_task_group() as tg:
+
+            async def consume() -> None:
+                async for item in sub:
+                    items.append(item)
+                    if isinstance(item, EventBatch) and item.seq == 1 and len(items) > 4:
+                        got_all.set()
+
+            tg.start_soon(consume)
+            pub = await open_publisher()
+            for frames in [
+                message(0),
+                [b"", vz.pack_seq(1)],  # two frames
+                [b"", b"\x01\x02\x03", b"\x93"],  # a seq frame of 3 bytes
+                [b"", vz.pack_seq(1), b"\xc1\xc1 not msgpack"],  # seq 1 undecodable
+                message(2),
+                [b"", vz.END_SEQ, b""],  # the replay end marker on the live stream
+                [b"a", b"b", b"c", b"d"],  # four frames
+                message(3),
+            ]:
+                await pub.send_multipart(frames)
+            with anyio.fail_after(20):
+                while len([i for i in items if isinstance(i, EventBatch)]) < 3:
+                    await anyio.sleep(0.01)
+            pub.close()  # the publisher goes away ...
+            pub = await open_publisher()  # ... and a new instance starts over at seq 0
+            await pub.send_multipart(message(0))
+            await pub.send_multipart(message(1))
+            with anyio.fail_after(20):
+                await got_all.wait()
+            pub.close()
+            sub.stop(grace=0)
+    finally:
+        ctx.destroy(linger=0)
+
+    batches = [i for i in items if isinstance(i, EventBatch)]
+    gaps = [i for i in items if isinstance(i, Gap)]
+    assert [b.seq for b in batches] == [0, 2, 3, 0, 1]
+    assert [(g.first_missing, g.next_seq) for g in gaps] == [(1, 2)]
+    assert len({b.epoch for b in batches[:3]}) == 1
+    assert batches[3].epoch != batches[0].epoch  # the restart is a new epoch
+    (st,) = sub.statistics()
+    assert st.malformed == 5
+    assert st.restarts == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -363,6 +363,38 @@ async def test_many_subscribers_get_every_batch_in_order(no_leaked_tasks: None) 
                 await sub.aclose()
 
 
+async def test_from_seq_per_origin_with_a_default() -> None:
+    sink = SocketSink(port=0)
+    async with Scheduler(sinks=[sink], origin="a") as s:
+        for i in range(5):
+            s.emit(removed(i))
+            s.emit(removed(i), origin="b")
+            s.emit(removed(i), origin="c")
+            await s.tick()
+        await wait_until(lambda: sink.statistics().batches_out == 15, "all in the ring")
+        port = port_of(sink)
+        async with SocketSubscriber(port=port, from_seq={"a": 3, "*": 4}) as both:
+            items = await take(both, 4)
+        assert sorted((b.origin, b.seq) for b in items if isinstance(b, EventBatch)) == [
+            ("a", 3),
+            ("a", 4),
+            ("b", 4),
+            ("c", 4),
+        ]
+        async with SocketSubscriber(port=port, from_seq={"b": 2}) as only_b:
+            assert only_b.welcome is not None
+            assert set(only_b.welcome.origins) == {"a", "b", "c"}
+            s.emit(removed(9))  # live: a gets seq 5
+            await s.tick()
+            items = await take(only_b, 4)
+        assert [(b.origin, b.seq) for b in items if isinstance(b, EventBatch)] == [
+            ("b", 2),
+            ("b", 3),
+            ("b", 4),
+            ("a", 5),
+        ]
+
+
 async def test_unix_socket_is_private_and_removed_at_close(short_dir: Path) -> None:
     path = short_dir / "kv.sock"
     sink = open_sink(f"unix:{path}")

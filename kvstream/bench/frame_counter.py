@@ -156,23 +156,30 @@ class CounterProcess:
             [sys.executable, "-m", "kvstream.bench.frame_counter", kind, address],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            text=True,
-            bufsize=1,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
+        self._pending = b""
 
     def command(self, line: str) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.write(line.encode() + b"\n")
         self.proc.stdin.flush()
 
     def poll_line(self, timeout: float) -> str | None:
         """A line of output if one arrives within ``timeout`` seconds."""
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            return None
-        return self.proc.stdout.readline().strip()
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._pending:
+            ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
+            if not ready:
+                return None
+            data = os.read(fd, 65536)
+            if not data:
+                return None
+            self._pending += data
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line.decode().strip()
 
     def counts(self, timeout: float = 10.0) -> dict[str, Any]:
         self.command("count")

@@ -713,16 +713,17 @@ class PrefixIndex:
                     message = prev + block + hasher.suffix(block, hasher.payload(lora_name, extra))
                 prev = digest(message, digest_size=DIGEST_SIZE).digest()
                 v = get(from_bytes(prev, "little"), 0)
-                held = v
-                for shift in shifts:
-                    held |= v >> shift
-                held &= active
-                if held != active:  # some origins stop here
-                    if k:
-                        self._record(results, active & ~held, k, last)
-                    active = held
-                    if not active:
-                        break
+                if v & active != active:  # not every origin on the first tier: fold tiers
+                    held = v
+                    for shift in shifts:
+                        held |= v >> shift
+                    held &= active
+                    if held != active:  # some origins stop here
+                        if k:
+                            self._record(results, active & ~held, k, last)
+                        active = held
+                        if not active:
+                            break
                 last = v
                 k += 1
             if not active or k == n:

@@ -227,7 +227,7 @@ class _Ring:
         """Bytes appended before position ``pos`` (held, or the end)."""
         if pos >= self.end_pos:
             return self.end_offset
-        return self._entries[pos - self._first][4]
+        return self._entries[max(pos - self._first, 0)][4]
 
     def append(self, origin: str, epoch: str, seq: int, frame: bytes) -> list[tuple[int, _Entry]]:
         """Add a frame; return the entries evicted to stay within ``max_bytes``.

@@ -160,3 +160,57 @@ async def test_a_stalled_block_sink_makes_the_tick_wait_and_loses_nothing() -> N
     st = stalled.statistics()
     assert (st.batches_in, st.batches_out, st.batches_dropped) == (26, 26, 0)
     assert (seen.batches, seen.gaps, seen.events) == (26, 0, 26 * PER_BATCH)
+
+
+async def test_a_waiting_tick_that_is_cancelled_loses_and_repeats_nothing() -> None:
+    """The host gives up on a tick that waits for a full ``block`` sink (a timeout,
+    a shutdown): its batch keeps its place, the next tick still waits behind it,
+    and every batch arrives once, in order."""
+    stream = SeededEvents(9)
+    seen = StreamVerifier(stream, origin="eng", events_per_batch=2)
+    stalled = FaultySink(name="stalled", policy="block", max_batches=2, on_batch=seen.check)
+    seq = 0
+    async with Scheduler(sinks=[stalled], origin="eng") as scheduler:
+
+        def emit() -> None:
+            nonlocal seq
+            scheduler.emit(stream.events(seq * 2, seq * 2 + 2))
+            seq += 1
+
+        stalled.stall()
+        emit()
+        await scheduler.tick()
+        await stalled.wait_stalled()
+        for _ in range(2):
+            emit()
+            assert run_without_suspending(scheduler.tick()) is not None
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+
+                async def give_up() -> None:
+                    await anyio.wait_all_tasks_blocked()
+                    scope.cancel()  # the host stops waiting for seq 3
+
+                tg.start_soon(give_up)
+                emit()
+                await scheduler.tick()
+        assert scope.cancelled_caught
+        done = anyio.Event()
+        async with anyio.create_task_group() as tg:
+
+            async def next_tick() -> None:
+                emit()
+                await scheduler.tick()
+                done.set()
+
+            tg.start_soon(next_tick)
+            await anyio.wait_all_tasks_blocked()
+            assert not done.is_set()  # seq 4 waits behind seq 3, which still waits
+            stalled.release()
+        for _ in range(5):
+            emit()
+            await scheduler.tick()
+        report = await scheduler.aclose(timeout=30)
+    assert report.complete
+    assert (seen.batches, seen.gaps) == (10, 0)  # seq 0..9, each once, in order
+    assert stalled.statistics().batches_dropped == 0

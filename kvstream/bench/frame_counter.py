@@ -2,7 +2,8 @@
 
 Run as ``python -m kvstream.bench.frame_counter zmq ENDPOINT`` (a SUB socket,
 connecting, subscribed to everything) or ``... stream HOST:PORT`` /
-``... stream unix:PATH`` (a socket client reading the stream). It decodes
+``... stream unix:PATH`` (a socket sink's subscriber: it sends the empty hello,
+``{}``, and reads the stream). It decodes
 nothing, so it does not cap what it measures. Commands, one per line on stdin:
 
 * ``arm``: reset the counts; print ``ready`` after the next message (ZMQ) or
@@ -129,6 +130,7 @@ def _connect(address: str) -> socket.socket:
                 host, _, port = address.rpartition(":")
                 s = socket.create_connection((host, int(port)))
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            s.sendall(b"{}\n")  # the socket sink's hello: every key optional (live only)
             return s
         except OSError:
             if time.monotonic() > deadline:

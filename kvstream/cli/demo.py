@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
+from kvstream.cli.kv_events import add_kv_events_config_option, zmq_sink_from_kv_events_config
 from kvstream.cli.longrun import Progress, add_metrics_option, open_metrics
 from kvstream.config import open_sink
 from kvstream.errors import ConfigError
@@ -34,6 +35,7 @@ examples:
   kvstream demo --sink file:kv.jsonl --sink tcp://127.0.0.1:5600
   kvstream demo --rate 0 --steps 20000 --sink 'file:kv.jsonl?policy=drop_oldest'
   kvstream demo --steps 0 --metrics 127.0.0.1:9464   Prometheus metrics while it runs
+  kvstream demo --kv-events-config '{"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'
 """
 
 
@@ -65,6 +67,7 @@ def register(sub: Any) -> None:
         "zmq+tcp://..., nats://..., redis://... (default: ./kvstream-demo-<time>.jsonl)",
     )
     add_metrics_option(p)
+    add_kv_events_config_option(p)
     p.set_defaults(func=run)
 
 
@@ -107,10 +110,13 @@ async def run(args: argparse.Namespace) -> int:
     if args.rate < 0:
         raise ConfigError(f"--rate: expected >= 0, got {args.rate}")
     urls: list[str] = list(args.sink)
-    if not urls:
+    zmq_sink = zmq_sink_from_kv_events_config(args.kv_events_config)
+    if not urls and zmq_sink is None:
         urls = [f"file:kvstream-demo-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"]
     codecs: dict[str, Any] = {}
     sinks = [open_sink(url, codecs=codecs) for url in urls]
+    if zmq_sink is not None:
+        sinks.append(zmq_sink)
     engine = SimulatedEngine(
         seed=args.seed,
         block_size=args.block_size,

@@ -150,19 +150,18 @@ class ZmqSink(Sink):
     """Publish batches on vLLM's ZMQ wire, with a replay ROUTER.
 
     ``endpoint``: a ZMQ endpoint (``tcp://*:5557``, ``tcp://10.0.0.5:5557``,
-    ``ipc:///run/kv.sock``). ``replay_endpoint``: where replay requests are
-    served (always bound); None disables replay (the ring is not kept).
-    ``topic``: the topic frame, ``{origin}`` replaced by the batch's origin;
-    ``model``: use llm-d's ``kv@<origin>@<model>`` (with ``topic`` empty).
-    ``hwm``: per-subscriber high-water mark in messages (0: none).
-    ``buffer_steps`` / ``replay_max_bytes``: the ring's bounds; ``replay_hwm``:
+    ``ipc:///run/kv.sock``); ``bind`` overrides vLLM's bind-or-connect rule.
+    ``replay_endpoint``: where replay requests are served (always bound); None
+    disables replay (no ring is kept). ``topic``: the topic frame, ``{origin}``
+    replaced by the batch's origin; ``model``: llm-d's ``kv@<origin>@<model>``
+    instead. ``hwm``: per-subscriber high-water mark in messages (0: none).
+    ``buffer_steps`` / ``replay_max_bytes``: the ring's bounds. ``replay_hwm``:
     the ROUTER's per-client high-water mark (replies are paced at it, never
     dropped); ``replay_timeout``: how long a reply may stay stalled before it is
-    abandoned. ``replay_layout``:
-    ``"topic"`` (vLLM v0.26+) or ``"legacy"`` (no topic frame). ``bind``:
-    override vLLM's bind-or-connect rule. The codec defaults to
-    :class:`MsgpackCodec` (map profile); sink options (``policy``, ``max_bytes``,
-    ...) are the base class's.
+    abandoned; ``replay_layout``: ``"topic"`` (vLLM v0.26+) or ``"legacy"`` (no
+    topic frame). ``linger``: seconds queued messages get to leave at close.
+    The codec defaults to :class:`MsgpackCodec` (map profile); ``policy``,
+    ``max_bytes`` and the other options are the base class's.
     """
 
     def __init__(

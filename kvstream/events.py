@@ -77,9 +77,7 @@ def _check_hash(event: str, field: str, h: object) -> None:
         raise _fail_type(event, field, h, "an int in [-2**63, 2**64) or bytes")
 
 
-def _all_int(values: list[Any]) -> bool:
-    """True when every value is exactly ``int`` (array() also takes numpy ints)."""
-    return set(map(type, values)) == {int}
+_INT_ONLY: Final = frozenset((int,))
 
 
 def _checked_hashes(event: str, hashes: object) -> list[BlockHash]:
@@ -137,14 +135,29 @@ def _opt_int(event: str, field: str, value: object, *, minimum: int = _HASH_MIN)
 
 
 def _opt_str(event: str, field: str, value: object) -> None:
-    if value is not None and type(value) is not str:
-        raise _fail_type(event, field, value, "a str or None")
+    if value is not None:
+        if type(value) is not str:
+            raise _fail_type(event, field, value, "a str or None")
+        if not value.isascii():
+            _check_utf8(event, field, value)
+
+
+def _check_utf8(event: str, field: str, value: str) -> None:
+    """Refuse strings no codec can write (lone surrogates); ASCII skips this."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _fail_value(event, field, value, "text encodable as UTF-8") from None
 
 
 def _json_safe(event: str, where: str, value: object, depth: int) -> Any:
     """Return ``value`` as plain JSON data (tuples become lists), or raise."""
     t = type(value)
-    if value is None or t is str or t is bool:
+    if t is str:
+        if not value.isascii():  # type: ignore[attr-defined]
+            _check_utf8(event, where, value)  # type: ignore[arg-type]
+        return value
+    if value is None or t is bool:
         return value
     if t is int:
         if not _HASH_MIN <= value < _HASH_LIMIT:  # type: ignore[operator]
@@ -164,6 +177,8 @@ def _json_safe(event: str, where: str, value: object, depth: int) -> Any:
         for k, v in value.items():
             if type(k) is not str:
                 raise _fail_type(event, f"{where} key", k, "str keys")
+            if not k.isascii():
+                _check_utf8(event, f"{where} key", k)
             out[k] = _json_safe(event, f"{where}.{k}", v, depth + 1)
         return out
     raise _fail_type(event, where, value, "JSON data (None, bool, int, float, str, list, dict)")
@@ -185,6 +200,8 @@ def validate_metadata(metadata: object, event: str = "event") -> dict[str, Any] 
 
 def _extra_value(event: str, where: str, value: object, depth: int) -> Any:
     t = type(value)
+    if t is str and not value.isascii():  # type: ignore[attr-defined]
+        _check_utf8(event, where, value)  # type: ignore[arg-type]
     if value is None or t is str or t is bytes or t is bool:
         return value
     if t is int:
@@ -264,12 +281,14 @@ class BlockStored(KVCacheEvent, kw_only=True, frozen=True, gc=False):
         hashes = self.block_hashes
         if type(hashes) is list and hashes:
             try:
-                array("Q", hashes)  # type: ignore[type-var]
+                # In C: every hash an integer in [0, 2**64). fromlist() is the
+                # fastest bulk conversion array offers (the constructor iterates).
+                array("Q").fromlist(hashes)  # type: ignore[arg-type]
             except (TypeError, OverflowError):
-                hashes = _checked_hashes(name, hashes)
+                _checked_hashes(name, hashes)  # negative or bytes hashes, or an error
             else:
-                if not _all_int(hashes):
-                    hashes = _checked_hashes(name, hashes)
+                if not _INT_ONLY.issuperset(map(type, hashes)):  # bool, numpy ints
+                    _checked_hashes(name, hashes)
         else:
             hashes = _checked_hashes(name, hashes)
             force_setattr(self, "block_hashes", hashes)
@@ -278,7 +297,12 @@ class BlockStored(KVCacheEvent, kw_only=True, frozen=True, gc=False):
             tokens = _checked_tokens(name, tokens)
             force_setattr(self, "token_ids", tokens)
         elif tokens:
-            _checked_tokens(name, tokens)
+            try:
+                array("Q").fromlist(tokens)  # in C: each an integer in [0, 2**64)
+            except (TypeError, OverflowError):
+                _checked_tokens(name, tokens)  # raises, naming the bad token
+            if type(tokens[0]) is not int or type(tokens[-1]) is not int:
+                _checked_tokens(name, tokens)  # raises (see _checked_tokens)
         size = self.block_size
         if type(size) is not int:
             raise _fail_type(name, "block_size", size, "an int >= 0")
@@ -296,8 +320,8 @@ class BlockStored(KVCacheEvent, kw_only=True, frozen=True, gc=False):
         ):
             _check_hash(name, "parent_block_hash", parent)
         medium = self.medium
-        if medium is not None and type(medium) is not str:
-            raise _fail_type(name, "medium", medium, "a str or None")
+        if medium is not None and (type(medium) is not str or not medium.isascii()):
+            _opt_str(name, "medium", medium)
         if self.lora_id is not None or self.lora_name is not None:
             _opt_int(name, "lora_id", self.lora_id)
             _opt_str(name, "lora_name", self.lora_name)

@@ -361,7 +361,7 @@ def _run_workload(
 
 
 @settings(
-    max_examples=12,
+    max_examples=30,
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.too_slow],
@@ -905,6 +905,23 @@ async def test_http_endpoint_over_a_real_socket(no_leaked_tasks: None) -> None:
         await anyio.connect_tcp("127.0.0.1", port)
 
 
+class _BrokenIndex(PrefixIndex):
+    def match(self, *args: Any, **kwargs: Any) -> list[PrefixMatch]:
+        raise RuntimeError("a bug")
+
+
+async def test_http_a_failing_query_is_a_500_and_the_server_goes_on(
+    no_leaked_tasks: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with QueryServer(_BrokenIndex(block_size=B), port=0) as server:
+        status, _, body = await _http(server.port, _post(orjson.dumps({"token_ids": T})))
+        assert status == 500
+        assert "a bug" in body["error"]
+        status, _, _ = await _http(server.port, b"GET /stats HTTP/1.1\r\nConnection: close\r\n\r\n")
+        assert status == 200
+    assert "request failed" in caplog.text
+
+
 # -- the command line ------------------------------------------------------------------------------
 
 
@@ -985,7 +1002,7 @@ def test_cli_index_needs_a_url_or_demo(capsys: pytest.CaptureFixture[str]) -> No
     assert "URL" in capsys.readouterr().err
 
 
-# -- in process, as docs/index.md shows it -----------------------------------------------------
+# -- in process, as docs/prefix-index.md shows it -----------------------------------------------
 
 
 async def test_fed_in_process_through_a_queue_sink(no_leaked_tasks: None) -> None:

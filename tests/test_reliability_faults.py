@@ -9,22 +9,24 @@ few pages, mounted for the test) and gets its space back.
 from __future__ import annotations
 
 import errno
-from contextlib import aclosing
 import logging
 import os
 import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
+from contextlib import aclosing
 from pathlib import Path
 
 import anyio
 import pytest
+from servers import wait_until
 
 from kvstream import FileSink, JsonCodec, MemorySink, Scheduler
 from kvstream.consumers.base import Gap
 from kvstream.consumers.file import FileSubscriber
 from kvstream.events import KVCacheEvent
+from kvstream.sinks.base import Sink
 from kvstream.testing import (
     FaultySink,
     SeededEvents,
@@ -37,6 +39,12 @@ from kvstream.testing import (
 pytestmark = pytest.mark.usefixtures("no_leaked_tasks")
 
 FAST_RETRY = {"retry_initial": 0.001, "retry_max": 0.01}
+
+
+def _caught_up(sink: Sink) -> bool:
+    """The sink is healthy again and has delivered everything queued."""
+    st = sink.statistics()
+    return st.healthy and not st.queued_batches
 
 
 def _records(caplog: pytest.LogCaptureFixture, logger: str, text: str) -> int:
@@ -71,8 +79,7 @@ async def test_a_source_that_raises_is_closed_and_reported_while_the_others_go_o
         scheduler.add_source(healthy(), name="healthy")
         with anyio.fail_after(10):
             await healthy_done.wait()
-            while broken.running:
-                await anyio.sleep(0.01)
+        await wait_until(lambda: not broken.running, timeout=10)
         await scheduler.tick()
         scheduler.emit(stream.events(2000, 2010))  # the host goes on too
         await scheduler.tick()
@@ -106,7 +113,8 @@ async def test_a_source_that_hangs_neither_holds_the_tick_nor_the_close() -> Non
         assert handle.running  # still hanging
         with anyio.fail_after(10):  # generous: closing must not wait for the source
             report = await scheduler.aclose(timeout=5)
-    assert report.complete and report.failed_sources == ()
+    assert report.complete
+    assert report.failed_sources == ()
     # The first batch: the host's event first, then what the source yielded.
     assert _events(sink) == stream.events(100, 101) + stream.events(0, 30) + stream.events(101, 120)
     assert not handle.running
@@ -138,16 +146,16 @@ async def test_a_source_returning_garbage_is_refused_at_the_edge(
     async with Scheduler(sinks=[sink], origin="eng") as scheduler:
         bad = scheduler.add_source(garbage_source(stream.chunks(20, 10), junk), name="junk")
         polled = scheduler.add_source(connector, name="junk-poll")
-        with anyio.fail_after(10):
-            while bad.running:
-                await anyio.sleep(0.01)
+        await wait_until(lambda: not bad.running, timeout=10)
         for i in range(5):
             scheduler.emit(stream.events(100 + i, 101 + i))
             await scheduler.tick()
         report = await scheduler.aclose()
     assert set(report.failed_sources) == {"junk", "junk-poll"}
-    assert polled.error is not None and connector.polls == 1  # not polled again
-    assert bad.error is not None and "expected a KV cache event" in str(bad.error)
+    assert polled.error is not None
+    assert connector.polls == 1
+    assert bad.error is not None
+    assert "expected a KV cache event" in str(bad.error)
     assert _events(sink) == stream.events(100, 101) + stream.events(0, 20) + stream.events(101, 105)
     assert _records(caplog, "kvstream.sources", "junk ") == 1
     assert _records(caplog, "kvstream.sources", "junk-poll") == 1
@@ -169,13 +177,9 @@ async def test_a_sink_failing_on_send_is_retried_without_loss_and_logged_once_pe
             scheduler.emit(stream.events(n * 10, n * 10 + 10))
             await scheduler.tick()
         # The healthy sink is not held back by the failing one.
-        with anyio.fail_after(10):
-            while len(healthy.batches) < 10:
-                await anyio.sleep(0.001)
+        await wait_until(lambda: len(healthy.batches) == 10, timeout=10)
         assert failing.statistics().batches_out == 0 or failing.statistics().send_errors == 40
-        with anyio.fail_after(10):
-            while not failing.statistics().healthy or failing.statistics().queued_batches:
-                await anyio.sleep(0.005)
+        await wait_until(lambda: _caught_up(failing), timeout=10)
         # A second burst of failures: logged again, once.
         failing.fail_next(5)
         for n in range(10, 20):
@@ -254,7 +258,8 @@ async def test_a_sink_that_never_answers_is_reported_at_close_within_the_deadlin
         with anyio.fail_after(10):  # the deadline is 0.3 s; 10 s means "it hung"
             report = await scheduler.aclose(timeout=0.3)
     silent_report, good_report = report.sinks
-    assert good_report.complete and len(good.batches) == 12
+    assert good_report.complete
+    assert len(good.batches) == 12
     # All 12 reported: 11 queued and the one stuck in send().
     assert (silent_report.undelivered_batches, silent_report.undelivered_events) == (12, 36)
     assert silent_report.first_undelivered == ("eng", scheduler.epoch, 0)
@@ -291,24 +296,16 @@ def _fill(folder: Path) -> Path:
     """Fill the file system to the last byte; returns the ballast file."""
     ballast = folder / "ballast"
     with open(ballast, "wb", buffering=0) as f:
-        block = b"\0" * 4096
-        try:
-            while True:
-                f.write(block)
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
-        try:
-            while True:
-                f.write(b"\0")
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
+        for chunk in (b"\0" * 4096, b"\0"):  # whole pages, then the last bytes
+            with pytest.raises(OSError, match="No space") as full:  # noqa: PT012 - until full
+                while True:
+                    f.write(chunk)
+            assert full.value.errno == errno.ENOSPC
     return ballast
 
 
 async def _wait_healthy(sink: FileSink) -> None:
-    with anyio.fail_after(20):
-        while not sink.statistics().healthy or sink.statistics().queued_batches:
-            await anyio.sleep(0.01)
+    await wait_until(lambda: _caught_up(sink), timeout=20)
 
 
 @pytest.mark.parametrize("policy", ["block", "drop_oldest"])
@@ -342,7 +339,8 @@ async def test_a_full_disk_is_reported_held_per_policy_and_resumed_when_space_re
                 await anyio.sleep(0.005)
         await produce(15 if policy == "block" else 60)  # block: fits the outbox
         st = sink.statistics()
-        assert not st.healthy and st.send_errors > 0
+        assert not st.healthy
+        assert st.send_errors > 0
         assert st.queued_batches <= 20
         if policy == "block":
             assert st.batches_dropped == 0

@@ -53,7 +53,8 @@ async def test_a_million_events_reach_every_local_sink_exactly_once_in_order() -
             for n, chunk in enumerate(stream.chunks(batches * PER_BATCH, PER_BATCH)):
                 scheduler.emit(chunk)
                 batch = await scheduler.tick()
-                assert batch is not None and batch.seq == n
+                assert batch is not None
+                assert batch.seq == n
                 if n % 64 == 0:
                     consume_memory()
             report = await scheduler.aclose(timeout=60)

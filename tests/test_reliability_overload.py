@@ -64,7 +64,8 @@ async def test_a_stalled_drop_sink_never_makes_the_tick_wait(
             nonlocal seq
             scheduler.emit(stream.events(seq * PER_BATCH, (seq + 1) * PER_BATCH))
             batch = run_without_suspending(scheduler.tick())
-            assert batch is not None and batch.seq == seq
+            assert batch is not None
+            assert batch.seq == seq
             seq += 1
 
         stalled.stall()

@@ -21,8 +21,9 @@ from typing import Any
 import anyio
 import msgspec
 import orjson
-from anyio.abc import SocketAttribute
 import pytest
+from anyio.abc import SocketAttribute
+from servers import wait_until
 
 from kvstream import EventBatch, Scheduler
 from kvstream.consumers.base import Gap
@@ -193,11 +194,10 @@ async def test_a_subscriber_vanishing_mid_write_costs_the_others_nothing(
                     seen.check(item)
                     if seen.batches == 2300:
                         break
-            with anyio.fail_after(10):
-                while sink.server_statistics().subscribers != 1:
-                    await anyio.sleep(0.01)
+            await wait_until(lambda: sink.server_statistics().subscribers == 1, timeout=10)
         report = await scheduler.aclose()
-    assert report.complete and vanished == 5
+    assert report.complete
+    assert vanished == 5
     assert (seen.batches, seen.gaps) == (2300, 0)
     assert sink.statistics().send_errors == 0
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
@@ -262,8 +262,10 @@ async def test_replay_is_bounded_by_the_ring_and_never_holds_up_live_publishing(
         report = await scheduler.aclose()
 
     assert report.complete
-    assert live_seen.batches == 500 and live_seen.gaps == 0
-    assert len(gaps) == 1 and gaps[0].first_missing == 0
+    assert live_seen.batches == 500
+    assert live_seen.gaps == 0
+    assert len(gaps) == 1
+    assert gaps[0].first_missing == 0
     assert [b.seq for b in replayed] == list(range(gaps[0].next_seq, produced))
     codec_bytes = sum(len(sink.codec.encode(b)) for b in replayed)  # type: ignore[union-attr]
     assert codec_bytes <= ring  # never more than the ring holds
@@ -276,7 +278,7 @@ async def test_replay_is_bounded_by_the_ring_and_never_holds_up_live_publishing(
 # -- ZMQ -------------------------------------------------------------------------------
 
 zmq = pytest.importorskip("zmq")
-import zmq.asyncio  # noqa: E402
+zmq_asyncio = pytest.importorskip("zmq.asyncio")
 
 from kvstream.codecs.msgpack import MsgpackCodec  # noqa: E402
 from kvstream.consumers.zmq import ZmqPublisher, ZmqSubscriber  # noqa: E402
@@ -292,7 +294,7 @@ def _free_port() -> int:
 
 
 async def _replay(
-    dealer: zmq.asyncio.Socket, start: int, *, timeout: float = 20
+    dealer: zmq_asyncio.Socket, start: int, *, timeout: float = 20
 ) -> list[vz.ReplayBatch]:
     """Ask for a replay from ``start``; every reply up to the end marker."""
     await dealer.send_multipart(vz.replay_request(start))
@@ -319,7 +321,7 @@ async def test_the_zmq_replay_router_survives_malformed_requests_and_leaving_cli
         replay_timeout=0.5,
         linger=0,
     )
-    ctx = zmq.asyncio.Context()
+    ctx = zmq_asyncio.Context()
     produced = 0
     try:
         async with Scheduler(sinks=[sink], origin="eng") as scheduler:
@@ -334,9 +336,7 @@ async def test_the_zmq_replay_router_survives_malformed_requests_and_leaving_cli
             for _ in range(30):
                 produce(10)
                 await anyio.lowlevel.checkpoint()
-            with anyio.fail_after(10):
-                while sink.statistics().queued_batches:
-                    await anyio.sleep(0.01)
+            await wait_until(lambda: not sink.statistics().queued_batches, timeout=10)
 
             # Malformed requests: a raw ROUTER peer sends what it likes.
             hostile = ctx.socket(zmq.DEALER)
@@ -351,9 +351,8 @@ async def test_the_zmq_replay_router_survives_malformed_requests_and_leaving_cli
             ]
             for frames in malformed:
                 await hostile.send_multipart(frames)
-            with anyio.fail_after(10):  # one burst: all of it before any valid request
-                while sink.zmq_statistics().replay_malformed < len(malformed):
-                    await anyio.sleep(0.01)
+            # One burst: all of it arrives before any valid request.
+            await wait_until(lambda: sink.zmq_statistics().replay_malformed == len(malformed))
 
             # A well-formed request still gets exactly what the ring holds, in order.
             dealer = ctx.socket(zmq.DEALER)
@@ -382,9 +381,7 @@ async def test_the_zmq_replay_router_survives_malformed_requests_and_leaving_cli
                 await anyio.sleep(0.01)
             replies = await _replay(dealer, 0)
             assert [r.seq for r in replies] == list(range(produced - 50, produced))
-            with anyio.fail_after(20):
-                while sink.zmq_statistics().replays_active:
-                    await anyio.sleep(0.05)
+            await wait_until(lambda: not sink.zmq_statistics().replays_active, timeout=20)
             stats = sink.zmq_statistics()
             hostile.close()
             dealer.close()
@@ -417,14 +414,14 @@ async def test_a_zmq_subscriber_survives_a_hostile_publisher_that_goes_away_and_
     stream = SeededEvents(32)
     codec = MsgpackCodec()
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
-    ctx = zmq.asyncio.Context()
+    ctx = zmq_asyncio.Context()
 
     def message(seq: int) -> list[bytes]:
         events = [msgspec.structs.replace(e, metadata=None) for e in stream.events(seq, seq + 3)]
         payload = codec.encode(EventBatch(seq=seq, ts=1.0, events=events))
         return vz.live_frames(b"", vz.pack_seq(seq), payload)
 
-    async def open_publisher() -> zmq.asyncio.Socket:
+    async def open_publisher() -> zmq_asyncio.Socket:
         pub = ctx.socket(zmq.XPUB)
         pub.setsockopt(zmq.LINGER, 0)
         with anyio.fail_after(20):
@@ -464,9 +461,7 @@ async def test_a_zmq_subscriber_survives_a_hostile_publisher_that_goes_away_and_
                 message(3),
             ]:
                 await pub.send_multipart(frames)
-            with anyio.fail_after(20):
-                while len([i for i in items if isinstance(i, EventBatch)]) < 3:
-                    await anyio.sleep(0.01)
+            await wait_until(lambda: sum(isinstance(i, EventBatch) for i in items) == 3, timeout=20)
             pub.close()  # the publisher goes away ...
             pub = await open_publisher()  # ... and a new instance starts over at seq 0
             await pub.send_multipart(message(0))

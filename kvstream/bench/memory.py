@@ -7,9 +7,9 @@ encodes carries its bytes while it waits in the stalled sink's outbox, so the
 outbox holds real encoded bytes, as it would with a slow socket.
 
 The host emits 64-event chunks cycled from the pre-built pool and ticks. RSS is
-taken after a warm-up (2% of the events: the pipeline's own buffers are
-allocated, the stalled outbox is still far from its bound, so its filling is
-part of the growth measured), then sampled until every event has flowed. With ``drop_oldest`` and
+taken after a warm-up (2% of the events, at least 16 chunks) during which the
+sink still delivers; then the sink stalls, and RSS is sampled until every
+event has flowed, so the stalled outbox's filling is part of the growth. With ``drop_oldest`` and
 ``drop_newest`` the flow never stops and the growth must stay within the bound
 plus 32 MB; with ``block`` the tick waits once the outbox is full
 (backpressure): the run stops there and reports how far it got.
@@ -43,10 +43,14 @@ _SLACK = 32 * _MB
 
 
 class StalledSink(Sink):
-    """A sink whose transport never accepts anything: ``send`` waits forever."""
+    """A sink that discards batches until :attr:`stalled` is set; then ``send`` waits
+    forever (a transport that stopped accepting anything)."""
+
+    stalled = False
 
     async def send(self, data: bytes, batch: EventBatch) -> None:
-        await anyio.sleep_forever()
+        if self.stalled:
+            await anyio.sleep_forever()
 
 
 async def _run_policy(
@@ -75,9 +79,11 @@ async def _run_policy(
         meter = Meter()
         for i in range(n_chunks):
             if i == warmup_chunks:
+                # Warm: every buffer of the pipeline has been allocated. Stall now.
                 gc.collect()
                 base = rss_bytes()
                 peak = base
+                stalled.stalled = True
             events = cycle[i % len(cycle)]
             emit(events)
             with anyio.move_on_after(1.0) as scope:

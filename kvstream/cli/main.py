@@ -23,6 +23,7 @@ from kvstream.errors import KVStreamError
 
 #: Subcommand modules, in the order ``--help`` lists them.
 COMMANDS: Final = (
+    "kvstream.cli.bench",
     "kvstream.cli.demo",
     "kvstream.cli.index",
     "kvstream.cli.relay",

@@ -44,6 +44,7 @@ _REASONS: Final = {
     411: "Length Required",
     413: "Content Too Large",
     431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
     501: "Not Implemented",
     503: "Service Unavailable",
 }
@@ -201,6 +202,9 @@ class QueryServer:
                     except _HttpError as exc:
                         status, body, allow = exc.status, {"error": str(exc)}, exc.allow
                         close = close or exc.close
+                    except Exception as exc:  # a bug must not take the server down
+                        log.exception("index http: request failed")
+                        status, body, allow = 500, {"error": f"internal error: {exc!r}"}, None
                     self.requests += 1
                     if status >= 400:
                         self.errors += 1

@@ -20,7 +20,7 @@ only integers are not tracked by the GC):
   arrives just after its block was evicted still resolves); ``orphans``: blocks
   whose parent chain is unknown, kept with their tokens until it is.
 
-See ``docs/index.md`` for the semantics of every edge case and measured numbers.
+See ``docs/prefix-index.md`` for the semantics of every edge case and measured numbers.
 """
 
 from __future__ import annotations

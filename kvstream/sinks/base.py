@@ -414,6 +414,9 @@ class Sink(ABC):
                 self._inflight = [b for _, b in items]
                 await self._deliver(items)
                 self._inflight = []
+                # Free the encoded bytes before the next encode: the allocator then
+                # reuses that memory instead of faulting in fresh pages for each batch.
+                del items
         finally:
             self._writer_done.set()
 

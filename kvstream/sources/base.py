@@ -23,7 +23,7 @@ import anyio
 import anyio.lowlevel
 
 from kvstream.errors import InvalidEventTypeError
-from kvstream.events import KVCacheEvent
+from kvstream.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 __all__ = [
     "AsyncSource",
@@ -39,6 +39,8 @@ log = logging.getLogger("kvstream.sources")
 
 #: An async source yields events, or chunks of events (cheaper: one hand-off each).
 AsyncSource: TypeAlias = AsyncIterable[KVCacheEvent | Sequence[KVCacheEvent]]
+
+_EVENT_TYPES: Final = frozenset((BlockStored, BlockRemoved, AllBlocksCleared))
 
 #: How many items a source may yield before its driver lets other tasks run.
 _CHECKPOINT_EVERY: Final = 64
@@ -73,7 +75,9 @@ class PolledConnector:
         events = self.connector.take_events()
         if not events:
             return []
-        return check_events(events, self.name)
+        checked = check_events(events, self.name)
+        # The batch must own its list: a connector may reuse the one it returned.
+        return list(checked) if checked is events else checked
 
 
 def from_take_events(connector: TakeEventsConnector, *, name: str | None = None) -> PolledConnector:
@@ -83,6 +87,9 @@ def from_take_events(connector: TakeEventsConnector, *, name: str | None = None)
 
 def check_events(items: object, where: str) -> list[KVCacheEvent]:
     """Return ``items`` (one event or an iterable of events) as a list of events, or raise."""
+    # Fast path, in C: a list whose items are all exactly one of the three events.
+    if type(items) is list and _EVENT_TYPES.issuperset(map(type, items)):
+        return items
     if isinstance(items, KVCacheEvent):
         return [items]
     if isinstance(items, str | bytes) or not isinstance(items, Iterable):

@@ -1,0 +1,99 @@
+"""The prefix index's numbers (issue item 7), from ``benchmarks/bench_index.py``.
+
+The index benchmark is its own script (it lives beside the others in
+``benchmarks/``, which is not installed); the suite runs it in a child process
+when it is found in a source checkout and turns its JSON into table rows.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvstream.bench.results import Result, Row
+
+__all__ = ["bench_index", "index_script"]
+
+Progress = Callable[[], None]
+
+
+def index_script() -> Path | None:
+    """``benchmarks/bench_index.py`` of the source checkout this package runs from, if any."""
+    root = Path(__file__).resolve().parent.parent.parent
+    script = root / "benchmarks" / "bench_index.py"
+    return script if script.is_file() else None
+
+
+def _rows(data: dict[str, Any]) -> list[Row]:
+    rows: list[Row] = []
+    for key, value in data.items():
+        if not isinstance(value, dict):
+            continue
+        if key.startswith("apply_") and "apply_blocks_per_s" in value:
+            n = key.split("_", 1)[1]
+            base = value.get("baseline_hash_only_blocks_per_s")
+            rows.append(Row(
+                "index", "apply (blocks/s)", f"{int(n):,} blocks", value["apply_blocks_per_s"],
+                "hash only" if base else "", value["apply_blocks_per_s"] / base if base else None,
+                note=f"{value.get('apply_ns_per_block', 0):.0f} ns/block",
+            ))
+        elif key == "apply_sim" and "apply_block_events_per_s" in value:
+            rows.append(Row("index", "apply, simulated engines (block events/s)", "",
+                            value["apply_block_events_per_s"]))
+        elif key.startswith("match_"):
+            n = int(key.split("_", 1)[1])
+            for tokens in (1024, 8192):
+                for kind in ("hit", "miss"):
+                    p50 = value.get(f"{tokens}_tokens_{kind}_p50_us")
+                    p99 = value.get(f"{tokens}_tokens_{kind}_p99_us")
+                    if p50 is None:
+                        continue
+                    base = value.get(f"{tokens}_tokens_baseline_hash_only_p50_us")
+                    rows.append(Row(
+                        "index", f"match {tokens}-token prompt ({kind})", f"{n:,} blocks",
+                        baseline="hash only" if base and kind == "hit" else "",
+                        ratio=p50 / base if base and kind == "hit" else None,
+                        p50_us=p50, p99_us=p99,
+                    ))
+        elif key.startswith("memory_"):
+            n = int(key.split("_", 1)[1])
+            per = value.get("bytes_per_block_one_origin_one_tier")
+            if per is not None:
+                rows.append(Row("index", "bytes per block (one origin, one tier)",
+                                f"{n:,} blocks", note=f"{per:.0f} bytes/block"))
+    return rows
+
+
+async def bench_index(quick: bool, progress: Progress | None = None) -> Result:
+    result = Result("index", "Prefix index (benchmarks/bench_index.py)")
+    script = index_script()
+    if script is None:
+        result.skipped = "not available (benchmarks/bench_index.py: run from a source checkout)"
+        return result
+    argv = [sys.executable, str(script), "--json"] + (["--quick"] if quick else [])
+    import anyio
+
+    try:
+        done = await anyio.run_process(argv, check=False)
+    except OSError as exc:
+        result.skipped = f"not available ({exc})"
+        return result
+    if done.returncode != 0:
+        tail = done.stderr.decode(errors="replace")[-500:]
+        result.skipped = f"bench_index.py failed (exit {done.returncode}): {tail}"
+        return result
+    try:
+        data = json.loads(done.stdout)
+    except ValueError as exc:
+        result.skipped = f"bench_index.py printed no JSON: {exc}"
+        return result
+    result.rows = _rows(data)
+    result.data = {"command": " ".join(["python", "benchmarks/bench_index.py", *argv[2:]]),
+                   "output": data}
+    if progress is not None:
+        progress()
+    return result

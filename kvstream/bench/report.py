@@ -1,0 +1,132 @@
+"""The results table: plain text (and, with rich installed, a rich table)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, TextIO
+
+__all__ = ["COLUMNS", "format_number", "print_report", "render_text"]
+
+#: (key, heading) of every column, in order.
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("case", "case"),
+    ("param", "size"),
+    ("events_per_s", "events/s"),
+    ("ratio", "ratio"),
+    ("baseline", "vs"),
+    ("cpu_us_per_event", "CPU us/ev"),
+    ("p50_us", "p50 us"),
+    ("p99_us", "p99 us"),
+    ("mb_per_s", "MB/s"),
+    ("note", "note"),
+)
+
+
+def format_number(key: str, value: Any) -> str:
+    if value is None or value == "":
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, float) and math.isnan(value):
+        return "n/a"
+    if key == "events_per_s":
+        return f"{value:,.0f}"
+    if key == "ratio":
+        return f"{value:.2f}x"
+    if key in ("cpu_us_per_event", "p50_us", "p99_us"):
+        return f"{value:.2f}" if value < 100 else f"{value:,.0f}"
+    if key == "mb_per_s":
+        return f"{value:,.1f}"
+    return str(value)
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    return [format_number(key, row.get(key)) for key, _ in COLUMNS]
+
+
+def _target_line(t: dict[str, Any]) -> str:
+    mark = "MET " if t["met"] else "MISS"
+    unit = f" {t['unit']}" if t.get("unit") else ""
+    return f"  [{mark}] {t['target']}: {t['value']:.3g}{unit} (target {t['op']} {t['limit']:g}{unit})"
+
+
+def render_text(report: dict[str, Any], width: int = 200) -> str:
+    """The whole report as plain text: one table per benchmark, then the targets."""
+    lines: list[str] = []
+    m = report.get("machine", {})
+    lines.append(
+        f"kvstream bench{' --quick' if report.get('quick') else ''}: {m.get('cpus')} CPUs "
+        f"({m.get('cpu_model')}), Python {m.get('python')}, load average "
+        f"{m.get('load_average')} -> {m.get('load_average_end')}, {report.get('seconds')} s"
+    )
+    for result in report["results"]:
+        lines.append("")
+        lines.append(f"== {result['title']}")
+        if result.get("skipped"):
+            lines.append(f"   {result['skipped']}")
+            continue
+        rows = [_cells(r) for r in result["rows"]]
+        headings = [h for _, h in COLUMNS]
+        used = [i for i in range(len(COLUMNS)) if any(r[i] for r in rows)]
+        widths = {i: max(len(headings[i]), *(len(r[i]) for r in rows)) for i in used}
+        right = {2, 3, 5, 6, 7, 8}
+
+        def fmt(cells: list[str]) -> str:
+            parts = [
+                cells[i].rjust(widths[i]) if i in right else cells[i].ljust(widths[i])
+                for i in used
+            ]
+            return ("  ".join(parts)).rstrip()[:width]
+
+        lines.append(fmt(headings))
+        lines.append(fmt(["-" * widths.get(i, 0) for i in range(len(COLUMNS))]))
+        lines.extend(fmt(r) for r in rows)
+        for t in result.get("targets", []):
+            lines.append(_target_line(t))
+    targets = report.get("targets", [])
+    if targets:
+        met = sum(1 for t in targets if t["met"])
+        lines.append("")
+        lines.append(f"Targets: {met} of {len(targets)} met")
+        lines.extend(_target_line(t) for t in targets)
+    return "\n".join(lines)
+
+
+def print_report(report: dict[str, Any], out: TextIO, *, rich: bool = True) -> None:
+    """Print ``report`` to ``out``: a rich table when rich is installed and asked for."""
+    if rich:
+        try:
+            from rich.console import Console
+            from rich.table import Table
+        except ImportError:
+            rich = False
+    if not rich:
+        print(render_text(report), file=out)
+        return
+    console = Console(file=out)
+    m = report.get("machine", {})
+    console.print(
+        f"[bold]kvstream bench{' --quick' if report.get('quick') else ''}[/bold]: "
+        f"{m.get('cpus')} CPUs ({m.get('cpu_model')}), Python {m.get('python')}, load average "
+        f"{m.get('load_average')} -> {m.get('load_average_end')}, {report.get('seconds')} s"
+    )
+    for result in report["results"]:
+        if result.get("skipped"):
+            console.print(f"[bold]{result['title']}[/bold]: {result['skipped']}")
+            continue
+        rows = [_cells(r) for r in result["rows"]]
+        used = [i for i in range(len(COLUMNS)) if any(r[i] for r in rows)]
+        table = Table(title=result["title"], title_justify="left", show_lines=False)
+        for i in used:
+            justify = "right" if i in (2, 3, 5, 6, 7, 8) else "left"
+            table.add_column(COLUMNS[i][1], justify=justify, overflow="fold")
+        for r in rows:
+            table.add_row(*(r[i] for i in used))
+        console.print(table)
+        for t in result.get("targets", []):
+            style = "green" if t["met"] else "red"
+            console.print(f"[{style}]{_target_line(t)}[/{style}]", highlight=False)
+    targets = report.get("targets", [])
+    if targets:
+        met = sum(1 for t in targets if t["met"])
+        console.print(f"\n[bold]Targets: {met} of {len(targets)} met[/bold]")

@@ -1,0 +1,217 @@
+"""``kvstream bench``: the benchmark suite, side by side with its baselines.
+
+Runs every benchmark of :mod:`kvstream.bench` (or those named with ``--only``)
+with a progress bar on stderr, prints a table (events/s, ratio to the
+baseline measured in the same run, CPU per event, p50/p99), checks the
+project's targets, and optionally writes the report as JSON and a plot of
+events/s against events per tick. ``--quick`` runs small sizes in under a
+minute; numbers for the record come from a full run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvstream.bench.per_sink import SINK_NAMES
+from kvstream.bench.sizes import FULL, QUICK, TINY, Sizes
+from kvstream.bench.suite import BENCHMARKS, run_suite
+from kvstream.errors import ConfigError
+
+__all__ = ["register", "run"]
+
+EXAMPLES = """\
+examples:
+  kvstream bench --quick                        every benchmark, small sizes (< 1 minute)
+  kvstream bench --json bench.json --plot bench.png
+  kvstream bench --only efficiency --only zmq   two benchmarks, full size
+  kvstream bench --only sinks --sink tcp --sink zmq --runs 3
+
+benchmarks: """ + ", ".join(BENCHMARKS) + """
+
+The machine should be otherwise idle: ratios are measured side by side in one run
+and hold better than absolute figures, but a loaded machine moves both.
+"""
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="run the benchmark suite against its baselines and check the targets",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--quick", action="store_true", help="small sizes: under a minute")
+    p.add_argument("--json", metavar="PATH", help="write the full report as JSON ('-': stdout)")
+    p.add_argument(
+        "--plot", metavar="PATH", help="draw events/s against events per tick (.png, .svg)"
+    )
+    p.add_argument(
+        "--only",
+        action="append",
+        choices=tuple(BENCHMARKS),
+        metavar="NAME",
+        help="run only this benchmark (repeatable): " + ", ".join(BENCHMARKS),
+    )
+    p.add_argument(
+        "--sink",
+        action="append",
+        choices=SINK_NAMES,
+        metavar="NAME",
+        help="per-sink benchmark: only these sinks (repeatable): " + ", ".join(SINK_NAMES),
+    )
+    p.add_argument("--runs", type=int, metavar="N", help="timed runs per case (median of N)")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # smoke tests
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=run)
+
+
+class _LineProgress:
+    """A progress line on stderr, rewritten in place (when stderr is not a terminal:
+    one line per benchmark)."""
+
+    def __init__(self) -> None:
+        self._tty = sys.stderr.isatty()
+        self._name = ""
+        self._total = 1
+        self._done = 0
+        self._t0 = time.monotonic()
+
+    def start(self, name: str, description: str, total: int) -> None:
+        self._name, self._total, self._done = name, max(total, 1), 0
+        self._t0 = time.monotonic()
+        if not self._tty:
+            print(f"kvstream bench: {name}: {description} ...", file=sys.stderr, flush=True)
+        self._draw()
+
+    def advance(self) -> None:
+        self._done += 1
+        self._draw()
+
+    def finish(self, name: str) -> None:
+        if self._tty:
+            self._done = self._total
+            self._draw()
+            print(file=sys.stderr, flush=True)
+        else:
+            print(f"kvstream bench: {name}: done in {time.monotonic() - self._t0:.1f} s",
+                  file=sys.stderr, flush=True)
+
+    def _draw(self) -> None:
+        if not self._tty:
+            return
+        frac = min(self._done / self._total, 1.0)
+        bar = "#" * int(frac * 30)
+        print(f"\r{self._name:<11} [{bar:<30}] {frac * 100:3.0f}% "
+              f"{time.monotonic() - self._t0:5.1f} s", end="", file=sys.stderr, flush=True)
+
+
+class _RichProgress:
+    """rich's progress bar, one task per benchmark."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._progress = Progress(
+            TextColumn("{task.fields[name]:<11}"),
+            BarColumn(),
+            TextColumn("{task.percentage:>3.0f}%"),
+            TimeElapsedColumn(),
+            TextColumn("{task.description}"),
+            console=Console(file=sys.stderr),
+            transient=False,
+        )
+        self._task: Any = None
+
+    def __enter__(self) -> _RichProgress:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    def start(self, name: str, description: str, total: int) -> None:
+        self._task = self._progress.add_task(description, total=max(total, 1), name=name)
+
+    def advance(self) -> None:
+        if self._task is not None:
+            self._progress.advance(self._task)
+
+    def finish(self, name: str) -> None:
+        if self._task is not None:
+            task = self._progress.tasks[-1]
+            self._progress.update(self._task, completed=task.total)
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """The command that reproduces this run (for the record in the report)."""
+    words = ["kvstream", "bench"]
+    if args.quick:
+        words.append("--quick")
+    for name in args.only or ():
+        words += ["--only", name]
+    for name in args.sink or ():
+        words += ["--sink", name]
+    if args.runs is not None:
+        words += ["--runs", str(args.runs)]
+    return " ".join(words)
+
+
+def _sizes(args: argparse.Namespace) -> Sizes:
+    sizes = TINY if args.tiny else QUICK if args.quick else FULL
+    if args.runs is not None:
+        if args.runs < 1:
+            raise ConfigError(f"--runs: expected a positive number, got {args.runs}")
+        sizes = sizes.scaled(runs=args.runs)
+    return sizes
+
+
+async def run(args: argparse.Namespace) -> int:
+    sizes = _sizes(args)
+    quick = bool(args.quick or args.tiny)
+    only = args.only
+    sinks = tuple(args.sink) if args.sink else SINK_NAMES
+    if args.plot and only is not None and not {"efficiency", "zmq"} & set(only):
+        raise ConfigError("--plot: needs the efficiency or zmq benchmark (add --only efficiency)")
+    progress: Any = None
+    use_rich = False
+    if not args.no_progress:
+        use_rich = sys.stderr.isatty()
+        if use_rich:
+            try:
+                progress = _RichProgress()
+            except ImportError:
+                use_rich = False
+        if not use_rich:
+            progress = _LineProgress()
+    if use_rich:
+        with progress:
+            report = await run_suite(sizes, only=only, quick=quick, progress=progress,
+                                     sinks=sinks)
+    else:
+        report = await run_suite(sizes, only=only, quick=quick, progress=progress, sinks=sinks)
+    report["command"] = _command_line(args)
+    from kvstream.bench.report import print_report
+
+    if args.json != "-":
+        print_report(report, sys.stdout, rich=sys.stdout.isatty())
+    if args.json:
+        text = json.dumps(report, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+            print(f"kvstream bench: report written to {args.json}", file=sys.stderr)
+    if args.plot:
+        from kvstream.bench.plot import plot_series
+
+        written = plot_series(report, args.plot)
+        note = "" if written == args.plot else " (matplotlib not installed: SVG instead)"
+        print(f"kvstream bench: plot written to {written}{note}", file=sys.stderr)
+    return 0

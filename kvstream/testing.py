@@ -17,7 +17,7 @@ test their own pipelines the way kvstream's reliability suite tests its own.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, Final
 
 import anyio
@@ -200,7 +200,7 @@ class FaultySink(Sink):
         hang: bool = False,
         fail_close: bool = False,
         keep: bool = True,
-        on_batch: Any = None,
+        on_batch: Callable[[EventBatch], object] | None = None,
         **options: Any,
     ) -> None:
         options.setdefault("codec", None)

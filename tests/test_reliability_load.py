@@ -11,13 +11,15 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import anyio
+import pytest
 
 from kvstream import FileSink, MemorySink, QueueSink, Scheduler
 from kvstream.consumers.file import FileSubscriber
 from kvstream.events import EventBatch
-from kvstream.testing import SeededEvents, StreamVerifier
+from kvstream.testing import SeededEvents, StreamVerifier, VerificationError
 
 #: About a million events (the brief's CI size); override with KVSTREAM_LOAD_EVENTS.
 EVENTS = int(os.environ.get("KVSTREAM_LOAD_EVENTS", "1000000"))
@@ -80,3 +82,34 @@ async def test_a_million_events_reach_every_local_sink_exactly_once_in_order() -
         assert verifier.gaps == 0
     path.unlink()
     os.rmdir(folder)
+
+
+def test_the_verifier_catches_loss_duplication_reordering_and_corruption() -> None:
+    """The check above can fail: every kind of damage is caught."""
+    stream = SeededEvents(SEED)
+    assert stream.events(0, 50) == SeededEvents(SEED).events(0, 50)  # regenerated, equal
+    assert stream.events(0, 50) != SeededEvents(SEED + 1).events(0, 50)
+
+    def batch(seq: int, *, events: list[Any] | None = None, epoch: str = "e") -> EventBatch:
+        made = stream.events(seq * 4, seq * 4 + 4) if events is None else events
+        return EventBatch(seq=seq, ts=0.0, events=made, origin="load", epoch=epoch)
+
+    damaged = {
+        "lost": [batch(0), batch(2)],
+        "duplicated": [batch(0), batch(1), batch(1)],
+        "reordered": [batch(1), batch(0)],
+        "corrupted": [batch(0, events=stream.events(4, 8))],
+        "short": [batch(0, events=stream.events(0, 3)), batch(1)],
+        "restarted": [batch(0), batch(1, epoch="other")],
+    }
+    for name, batches in damaged.items():
+        verifier = StreamVerifier(stream, origin="load")
+        try:
+            verifier.check_all(batches)
+        except VerificationError:
+            continue
+        pytest.fail(f"{name}: not caught")
+    # With a known batch size, a gap is counted instead (what a drop policy leaves).
+    counting = StreamVerifier(stream, origin="load", events_per_batch=4)
+    counting.check_all([batch(0), batch(3), batch(4)])
+    assert (counting.gaps, counting.missing_batches, counting.missing_events) == (1, 2, 8)

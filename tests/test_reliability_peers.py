@@ -19,13 +19,14 @@ from collections.abc import Coroutine
 from typing import Any
 
 import anyio
+import anyio.abc
 import msgspec
 import orjson
 import pytest
 from anyio.abc import SocketAttribute
 from servers import wait_until
 
-from kvstream import EventBatch, Scheduler
+from kvstream import EventBatch, JsonCodec, Scheduler
 from kvstream.consumers.base import Gap
 from kvstream.consumers.socket import SocketSubscriber
 from kvstream.sinks.socket import SocketSink
@@ -273,6 +274,55 @@ async def test_replay_is_bounded_by_the_ring_and_never_holds_up_live_publishing(
     # Whatever the stalled replayers cost, it was theirs: nothing dropped at the sink
     # (a replayer that falls behind is cut off and can resume from the ring).
     assert sink.statistics().batches_dropped == 0
+
+
+async def test_a_socket_subscriber_skips_a_hostile_sinks_junk_and_logs_it_once_per_burst(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A raw TCP server plays a broken sink: after its welcome it sends 100 lines
+    that are not batches, then good batches, then more junk, then good batches. The
+    subscriber yields every good batch, counts every bad line, and logs each burst
+    of junk once, not once per line."""
+    caplog.set_level(logging.WARNING, logger="kvstream.consumers.socket")
+    stream = SeededEvents(24)
+    codec = JsonCodec()
+
+    def line(seq: int) -> bytes:
+        return codec.encode(
+            EventBatch(seq=seq, ts=1.0, events=stream.events(seq, seq + 2), origin="o", epoch="e")
+        )
+
+    # 100 lines that are JSON objects with a seq, but not batches.
+    junk = b"".join(b'{"seq": %d, "ts": "x", "events": []}\n' % i for i in range(100))
+    served = anyio.Event()
+
+    async def serve(client: anyio.abc.SocketStream) -> None:
+        async with client:
+            await client.receive()  # the hello
+            welcome = {"type": "welcome", "version": 1, "codec": "json", "framing": "lines"}
+            await client.send(orjson.dumps(welcome) + b"\n")
+            await client.send(junk + line(0) + line(1) + junk + line(2) + line(3))
+            await served.wait()
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(SocketAttribute.local_address)[1]
+    got: list[int] = []
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, serve)
+        async with SocketSubscriber(port=port, reconnect=False) as sub:
+            with anyio.fail_after(20):
+                async for item in sub:
+                    assert isinstance(item, EventBatch), item
+                    got.append(item.seq)
+                    if item.seq == 3:
+                        break
+            stats = sub.statistics()
+        served.set()
+        tg.cancel_scope.cancel()
+    assert got == [0, 1, 2, 3]
+    assert stats.bad_messages == 200
+    skipped = [r for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skipped) == 2, [r.getMessage() for r in skipped]  # two bursts, two records
 
 
 # -- ZMQ -------------------------------------------------------------------------------

@@ -198,6 +198,7 @@ class SocketSubscriber(Subscriber):
         self._restarts = 0
         self._snapshots = 0
         self._bad_messages = 0
+        self._bad_burst = False
         self._warned = False
 
     @property
@@ -282,10 +283,15 @@ class SocketSubscriber(Subscriber):
                 return
             except DecodeError as exc:
                 self._bad_messages += 1
-                log.warning("%s: message skipped: %s", self.address, exc)
+                if not self._bad_burst:  # once per burst; every one is counted
+                    self._bad_burst = True
+                    log.warning("%s: message skipped: %s", self.address, exc)
+                else:
+                    log.debug("%s: message skipped: %s", self.address, exc)
                 continue
             if message is None:
                 return
+            self._bad_burst = False
             if isinstance(message, BatchMessage):
                 self._on_batch(message.batch)
             elif isinstance(message, SnapshotPart):

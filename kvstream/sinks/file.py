@@ -83,7 +83,9 @@ class FileSink(Sink):
             raise FileNotFoundError(f"folder {parent} does not exist")
         # Unbuffered: a buffered writer keeps what a failed write left over and
         # writes it again on the next flush, which would defeat the rollback.
-        f = open(self.path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the sink
+        # New files are private (0600): events carry prompt token ids.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        f = open(fd, "ab", buffering=0)  # noqa: SIM115 - lives as long as the sink
         if self.rotation is not None:
             self.rotation.opened(f.tell())
         return f

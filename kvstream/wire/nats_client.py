@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
-from kvstream.errors import ConfigError, MissingDependencyError, TransportError
+from kvstream.errors import ConfigError, TransportError
 from kvstream.wire.broker import subject_covers
+from kvstream.wire.broker_client import import_extra, shown_url
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -27,6 +27,7 @@ __all__ = [
     "connect",
     "describe_error",
     "find_stream",
+    "no_stream_error",
     "require_nats",
     "shown_url",
 ]
@@ -36,22 +37,7 @@ log = logging.getLogger("kvstream.nats")
 
 def require_nats() -> Any:
     """The ``nats`` package, or :class:`MissingDependencyError` naming the extra."""
-    try:
-        import nats
-        import nats.js.errors
-    except ImportError as exc:
-        raise MissingDependencyError.for_extra("nats-py", "nats", exc) from exc
-    return nats
-
-
-def shown_url(url: str) -> str:
-    """``url`` without credentials, for messages: ``nats://127.0.0.1:4222``."""
-    parts = urlsplit(url)
-    host = parts.hostname or "localhost"
-    if ":" in host:
-        host = f"[{host}]"
-    port = f":{parts.port}" if parts.port is not None else ""
-    return f"{parts.scheme}://{host}{port}"
+    return import_extra("nats-py", "nats", "nats", "nats.js.errors")
 
 
 def describe_error(exc: BaseException) -> str:
@@ -155,6 +141,19 @@ async def find_stream(client: Client, subject: str, stream: str | None, where: s
             f"yourself, or name another stream or subject"
         )
     return info
+
+
+def no_stream_error(where: str, stream: str | None, subject: str, remedy: str) -> ConfigError:
+    """The error for a missing stream (the one named ``stream``, or any covering ``subject``).
+
+    ``remedy`` completes "create it, or ...": what the user can do instead.
+    """
+    which = (
+        f"stream {stream!r} does not exist"
+        if stream
+        else f"no JetStream stream covers subject {subject!r}"
+    )
+    return ConfigError(f"{where}: {which}; create it, or {remedy}")
 
 
 async def close_quietly(client: Client | None, *, force: bool = False) -> None:

@@ -13,7 +13,8 @@ import logging
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
-from kvstream.errors import ConfigError, MissingDependencyError, TransportError
+from kvstream.errors import ConfigError, TransportError
+from kvstream.wire.broker_client import import_extra, shown_url
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -33,23 +34,7 @@ log = logging.getLogger("kvstream.redis")
 
 def require_redis() -> Any:
     """The ``redis`` package, or :class:`MissingDependencyError` naming the extra."""
-    try:
-        import redis
-        import redis.asyncio
-        import redis.exceptions
-    except ImportError as exc:
-        raise MissingDependencyError.for_extra("redis", "redis", exc) from exc
-    return redis
-
-
-def shown_url(url: str) -> str:
-    """``url`` without credentials or path, for messages: ``redis://127.0.0.1:6379``."""
-    parts = urlsplit(url)
-    host = parts.hostname or "localhost"
-    if ":" in host:
-        host = f"[{host}]"
-    port = f":{parts.port}" if parts.port is not None else ""
-    return f"{parts.scheme}://{host}{port}"
+    return import_extra("redis", "redis", "redis", "redis.asyncio", "redis.exceptions")
 
 
 def describe_error(exc: BaseException) -> str:

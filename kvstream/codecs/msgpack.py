@@ -49,6 +49,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, TypeAlias, get_args
 
 import msgspec
+from msgspec.structs import astuple
 
 from kvstream.errors import ConfigError, DecodeError, KVStreamError
 from kvstream.events import (
@@ -88,10 +89,15 @@ _U64_MASK: Final = (1 << 64) - 1
 
 # -- the wire structs: vLLM's declarations, field for field ---------------------------
 #
-# Map profile: tagged maps, "type" first, fields with a default omitted when at it.
+# Each event's fields are declared once, in vLLM's order, and laid out twice by
+# subclasses: as a tagged map ("type" first, fields at their default omitted) and
+# as a tagged array (tag first, every field: msgspec never shortens arrays).
+# ``locality`` and ``metadata`` come last, so each longer layout extends a shorter.
 
 
-class _StoredMap(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True, gc=False):
+class _StoredFields(msgspec.Struct, gc=False):
+    """vLLM's ``BlockStored`` before ``locality``."""
+
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
     token_ids: list[int]
@@ -103,43 +109,29 @@ class _StoredMap(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defau
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
 
 
-class _StoredMapMeta(
-    msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True, gc=False
-):
+class _RemovedFields(msgspec.Struct, gc=False):
+    """vLLM's ``BlockRemoved`` before ``locality``."""
+
     block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
     medium: str | None
-    lora_name: str | None
-    extra_keys: list[list[Any] | None] | None = None
     group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
+
+
+class _StoredMap(_StoredFields, tag="BlockStored", tag_field="type", omit_defaults=True):
     locality: str | None = None
+
+
+class _StoredMapMeta(_StoredMap):
     metadata: dict[str, Any] | None = None
 
 
-class _RemovedMap(
-    msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True, gc=False
-):
-    block_hashes: list[BlockHash]
-    medium: str | None
-    group_idx: int | None = None
+class _RemovedMap(_RemovedFields, tag="BlockRemoved", tag_field="type", omit_defaults=True):
     locality: str | None = None
 
 
-class _RemovedMapMeta(
-    msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True, gc=False
-):
-    block_hashes: list[BlockHash]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
+class _RemovedMapMeta(_RemovedMap):
     metadata: dict[str, Any] | None = None
 
 
@@ -149,55 +141,24 @@ class _ClearedMap(
     pass
 
 
-class _ClearedMapMeta(
-    msgspec.Struct, tag="AllBlocksCleared", tag_field="type", omit_defaults=True, gc=False
-):
+class _ClearedMapMeta(_ClearedMap):
     metadata: dict[str, Any] | None = None
 
 
-# Positional profile: arrays, tag first, every field (msgspec never shortens arrays).
+class _StoredPos(_StoredFields, tag="BlockStored", array_like=True):
+    pass
 
 
-class _StoredPos(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[list[Any] | None] | None
-    group_idx: int | None
-    kv_cache_spec_kind: str | None
-    kv_cache_spec_sliding_window: int | None
+class _StoredPosLocality(_StoredPos):
+    locality: str | None = None
 
 
-class _StoredPosLocality(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[list[Any] | None] | None
-    group_idx: int | None
-    kv_cache_spec_kind: str | None
-    kv_cache_spec_sliding_window: int | None
-    locality: str | None
+class _RemovedPos(_RemovedFields, tag="BlockRemoved", array_like=True):
+    pass
 
 
-class _RemovedPos(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
-    block_hashes: list[BlockHash]
-    medium: str | None
-    group_idx: int | None
-
-
-class _RemovedPosLocality(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
-    block_hashes: list[BlockHash]
-    medium: str | None
-    group_idx: int | None
-    locality: str | None
+class _RemovedPosLocality(_RemovedPos):
+    locality: str | None = None
 
 
 class _ClearedPos(msgspec.Struct, tag="AllBlocksCleared", array_like=True, gc=False):
@@ -241,21 +202,11 @@ def _stored_map(e: BlockStored) -> Any:
 
 
 def _stored_map_meta(e: BlockStored) -> Any:
-    return _StoredMapMeta(
-        e.block_hashes,
-        e.parent_block_hash,
-        e.token_ids,
-        e.block_size,
-        e.lora_id,
-        e.medium,
-        e.lora_name,
-        e.extra_keys,
-        e.group_idx,
-        e.kv_cache_spec_kind,
-        e.kv_cache_spec_sliding_window,
-        e.locality,
-        e.metadata,
-    )
+    return _StoredMapMeta(*astuple(e))  # the same fields in the same order (checked below)
+
+
+if _StoredMapMeta.__struct_fields__ != BlockStored.__struct_fields__:  # pragma: no cover
+    raise ImportError("msgpack codec: _StoredMapMeta's fields are not BlockStored's")
 
 
 def _stored_pos(e: BlockStored) -> Any:

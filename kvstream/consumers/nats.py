@@ -29,33 +29,17 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TYPE_CHECKING, Any, Final, Literal, Self
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Any, Final, Literal, Unpack
 
 import anyio
 
-from kvstream.codecs.base import Codec
-from kvstream.consumers.base import Continuity, SequenceTracker, Subscriber, SubscriberItem
-from kvstream.errors import ClosedError, ConfigError, DecodeError, KVStreamError, TransportError
-from kvstream.wire.broker import (
-    DEFAULT_SUBJECT_FILTER,
-    HEADER_CODEC,
-    FromSeq,
-    PayloadDecoder,
-    check_from_seq,
-    check_subject,
-    client_url,
-    key_from_headers,
-    start_seq,
-)
-from kvstream.wire.nats_client import (
-    close_quietly,
-    connect,
-    describe_error,
-    find_stream,
-    require_nats,
-    shown_url,
-)
+from kvstream.consumers.base import Subscriber, SubscriberItem
+from kvstream.consumers.broker import BrokerSubscriber, ReaderOptions, reader_options
+from kvstream.errors import ConfigError, DecodeError, KVStreamError, TransportError
+from kvstream.wire import nats_client
+from kvstream.wire.broker import DEFAULT_SUBJECT_FILTER, check_subject, client_url
+from kvstream.wire.broker_client import closed_on_error, shown_url
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -74,7 +58,7 @@ DELIVER: Final[tuple[str, ...]] = ("all", "new", "last")
 _EPHEMERAL_IDLE: Final = 60.0
 
 
-class NatsSubscriber(Subscriber):
+class NatsSubscriber(BrokerSubscriber["Client"]):
     """Batches from a JetStream stream, in order, with gaps reported.
 
     ``subject``: the filter (wildcards allowed; default ``kv.events.>``).
@@ -85,7 +69,8 @@ class NatsSubscriber(Subscriber):
     ``"*"`` for the others) skips, in the first epoch seen of each origin, the
     batches below it. ``follow=False`` stops once the subscriber has caught up
     with the stream. ``codec`` decodes messages that do not name their codec
-    (default JSON).
+    (default JSON). ``connect_timeout``, ``retry_initial`` and ``retry_max``
+    are :class:`~kvstream.consumers.broker.BrokerSubscriber`'s.
     """
 
     def __init__(
@@ -96,25 +81,17 @@ class NatsSubscriber(Subscriber):
         stream: str | None = None,
         durable: str | None = None,
         deliver: Deliver | None = None,
-        follow: bool = True,
-        from_seq: FromSeq = None,
-        codec: Codec | None = None,
         fetch_batch: int = 256,
         poll_interval: float = 1.0,
         ack_wait: float = 30.0,
-        connect_timeout: float = 5.0,
-        retry_initial: float = 0.05,
-        retry_max: float = 5.0,
+        **options: Unpack[ReaderOptions],
     ) -> None:
-        require_nats()
-        self.url = url
-        self.shown = shown_url(url)
-        self.subject = check_subject(
-            subject or DEFAULT_SUBJECT_FILTER, wildcards=True, where=self.shown
-        )
-        from_seq = check_from_seq(from_seq, self.shown)
+        nats_client.require_nats()
+        shown = shown_url(url)
+        subject = check_subject(subject or DEFAULT_SUBJECT_FILTER, wildcards=True, where=shown)
+        super().__init__(url, shown, **options)
         if deliver is None:
-            deliver = "new" if from_seq is None else "all"
+            deliver = "new" if self.from_seq is None else "all"
         if deliver not in DELIVER:
             raise ConfigError(
                 f"{self.shown}: deliver: expected one of {', '.join(DELIVER)}, got {deliver!r}"
@@ -132,32 +109,23 @@ class NatsSubscriber(Subscriber):
             raise ConfigError(
                 f"{self.shown}: poll_interval: expected seconds > 0, got {poll_interval!r}"
             )
+        self.subject = subject
         self.stream = stream
         self.durable = durable
         self.deliver: Deliver = deliver
-        self.follow = follow
-        self.from_seq = from_seq
-        self.decoder = PayloadDecoder(codec)
         self.fetch_batch = fetch_batch
         self.poll_interval = poll_interval
         self.ack_wait = ack_wait
-        self.connect_timeout = connect_timeout
-        self._retry_initial = retry_initial
-        self._retry_max = retry_max
-        self.tracker = SequenceTracker()
         #: Messages whose payload or headers did not decode (skipped, logged).
         self.bad_messages = 0
         #: Connections made after the first one.
         self.reconnects = 0
-        self._client: Client | None = None
         self._psub: JetStreamContext.PullSubscription | None = None
         self._stream_name: str | None = None
         self._ack_all = True
         self._last_stream_seq: int | None = None
         self._lost = False
         self._fetch_scope: anyio.CancelScope | None = None
-        self._gen: AsyncGenerator[SubscriberItem, None] | None = None
-        self._closed = False
 
     def __repr__(self) -> str:
         return f"<NatsSubscriber {self.shown} subject={self.subject!r} durable={self.durable!r}>"
@@ -167,81 +135,41 @@ class NatsSubscriber(Subscriber):
         """The stream being read (known once connected)."""
         return self._stream_name
 
-    # -- lifetime -----------------------------------------------------------------
+    # -- connection ---------------------------------------------------------------
 
-    async def __aenter__(self) -> Self:
-        if self._closed:
-            raise ClosedError(f"{self!r}: the subscriber is closed")
-        if self._client is None:
-            await self._connect()
-        return self
-
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _interrupt(self) -> None:
         scope = self._fetch_scope  # a fetch in another task: stop waiting
         if scope is not None:
             scope.cancel()
-        gen, self._gen = self._gen, None
-        with anyio.CancelScope(shield=True):
-            try:
-                if gen is not None:
-                    try:
-                        await gen.aclose()
-                    except RuntimeError:  # being iterated in another task: it sees _closed
-                        pass
-            finally:
-                client, self._client, self._psub = self._client, None, None
-                await close_quietly(client)
-
-    def __aiter__(self) -> AsyncIterator[SubscriberItem]:
-        if self._closed:
-            raise ClosedError(f"{self!r}: the subscriber is closed")
-        if self._gen is None:
-            self._gen = self._read()
-        return self._gen
-
-    # -- connection ---------------------------------------------------------------
-
-    def _stopping(self) -> bool:
-        return self._closed  # a call, so that type checkers do not assume it unchanged
 
     def _on_lost(self) -> None:
         self._lost = True
-        scope = self._fetch_scope
-        if scope is not None:
-            scope.cancel()
+        self._interrupt()
 
     async def _connect(self) -> None:
-        client = await connect(
+        client = await nats_client.connect(
             self.url,
             name="kvstream subscriber",
             connect_timeout=self.connect_timeout,
             on_lost=self._on_lost,
         )
         self._lost = False
-        try:
+        async with closed_on_error(lambda: nats_client.close_quietly(client)):
             self._psub = await self._bind(client)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await close_quietly(client)
-            raise
         self._client = client
 
+    async def _disconnect(self) -> None:
+        client, self._client, self._psub = self._client, None, None
+        await nats_client.close_quietly(client)
+
     async def _bind(self, client: Client) -> JetStreamContext.PullSubscription:
-        nats = require_nats()
+        nats = nats_client.require_nats()
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-        info = await find_stream(client, self.subject, self.stream, self.shown)
+        info = await nats_client.find_stream(client, self.subject, self.stream, self.shown)
         if info is None:
-            which = (
-                f"stream {self.stream!r} does not exist"
-                if self.stream
-                else (f"no JetStream stream covers subject {self.subject!r}")
-            )
-            raise ConfigError(
-                f"{self.shown}: {which}; create it, or start a sink with ?create=true first"
+            raise nats_client.no_stream_error(
+                self.shown, self.stream, self.subject, "start a sink with ?create=true first"
             )
         stream: str = info.config.name
         self._stream_name = stream
@@ -264,7 +192,10 @@ class NatsSubscriber(Subscriber):
         if self.durable is None:
             config.inactive_threshold = max(_EPHEMERAL_IDLE, 10 * self.poll_interval)
         jsm = client.jsm()
-        try:
+        consumer = self.durable or "(ephemeral)"
+        with nats_client.jetstream_errors(
+            self.shown, f"use consumer {consumer} on stream {stream!r}"
+        ):
             existing = None
             if self.durable is not None:
                 try:
@@ -279,15 +210,6 @@ class NatsSubscriber(Subscriber):
                 name = created.name
                 self._ack_all = True
             return await client.jetstream().pull_subscribe_bind(consumer=name, stream=stream)
-        except nats.js.errors.APIError as exc:
-            raise ConfigError(
-                f"{self.shown}: cannot use consumer {self.durable or '(ephemeral)'} on stream "
-                f"{stream!r}: {exc.description or describe_error(exc)}"
-            ) from exc
-        except (nats.errors.Error, OSError) as exc:
-            raise TransportError(
-                f"{self.shown}: cannot set up the consumer: {describe_error(exc)}"
-            ) from exc
 
     def _check_consumer(self, info: Any) -> None:
         config = info.config
@@ -310,15 +232,14 @@ class NatsSubscriber(Subscriber):
         self._ack_all = policy == "all"
 
     async def _reconnect(self) -> None:
-        client, self._client, self._psub = self._client, None, None
-        await close_quietly(client)
+        await self._disconnect()
         await self._connect()
         self.reconnects += 1
 
     # -- reading ------------------------------------------------------------------
 
     async def _fetch(self) -> list[Msg]:
-        nats = require_nats()
+        nats = nats_client.require_nats()
         psub = self._psub
         if psub is None or self._lost:
             raise TransportError(f"{self.shown}: not connected")
@@ -329,7 +250,9 @@ class NatsSubscriber(Subscriber):
             except nats.errors.TimeoutError:
                 return []
             except (nats.errors.Error, OSError) as exc:
-                raise TransportError(f"{self.shown}: fetch failed: {describe_error(exc)}") from exc
+                raise TransportError(
+                    f"{self.shown}: fetch failed: {nats_client.describe_error(exc)}"
+                ) from exc
             finally:
                 self._fetch_scope = None
         raise TransportError(f"{self.shown}: connection lost")
@@ -344,7 +267,7 @@ class NatsSubscriber(Subscriber):
             try:
                 await msg.ack()
             except Exception as exc:  # the connection went: the server re-delivers
-                log.debug("%s: ack failed: %s", self.shown, describe_error(exc))
+                log.debug("%s: ack failed: %s", self.shown, nats_client.describe_error(exc))
                 return
 
     async def _nak(self, unread: deque[Msg]) -> None:
@@ -354,36 +277,26 @@ class NatsSubscriber(Subscriber):
             try:
                 await msg.nak()
             except Exception as exc:
-                log.debug("%s: nak failed: %s", self.shown, describe_error(exc))
+                log.debug("%s: nak failed: %s", self.shown, nats_client.describe_error(exc))
                 return
 
     def _accept(self, msg: Msg) -> list[SubscriberItem]:
         """Decode one message and check continuity; [] when it is skipped."""
         try:
             self._last_stream_seq = msg.metadata.sequence.stream
-            key = key_from_headers(msg.headers)
-            assert msg.headers is not None
-            batch = self.decoder.decode(msg.data, key, msg.headers.get(HEADER_CODEC))
+            batch = self.decoder.decode_message(msg.data, msg.headers)
         except (DecodeError, ValueError) as exc:
             self.bad_messages += 1
             log.warning("%s: message on %s skipped: %s", self.shown, msg.subject, exc)
             return []
-        if self.from_seq is not None and self.tracker.position(batch.origin) is None:
-            first = start_seq(self.from_seq, batch.origin)
-            if first is not None and batch.seq < first:
-                return []
-        state, gap = self.tracker.check(batch)
-        if state is Continuity.DUPLICATE:
-            return []
-        return [gap, batch] if gap is not None else [batch]
+        return self._admit(batch)
 
     async def _read(self) -> AsyncGenerator[SubscriberItem, None]:
         if self._client is None and not self._closed:
             await self._connect()  # a failure to start is raised as it is
         consumed: list[Msg] = []  # handed over, not yet acknowledged
         unread: deque[Msg] = deque()  # fetched, not yet handed over
-        delay = self._retry_initial
-        failures = 0
+        backoff = self._backoff("reconnecting")
         try:
             while not self._closed:
                 try:
@@ -395,19 +308,12 @@ class NatsSubscriber(Subscriber):
                 except KVStreamError as exc:
                     if self._stopping():
                         break
-                    if isinstance(exc, ConfigError) and failures == 0:
+                    if isinstance(exc, ConfigError) and not backoff.failures:
                         raise
-                    if failures == 0:
-                        log.warning("%s: %s; reconnecting with backoff", self.shown, exc)
-                    failures += 1
                     self._lost = True
-                    await anyio.sleep(delay)
-                    delay = min(delay * 2, self._retry_max)
+                    await backoff.wait(exc)
                     continue
-                if failures:
-                    log.warning("%s: reading again after %d failed attempts", self.shown, failures)
-                    failures = 0
-                    delay = self._retry_initial
+                backoff.succeeded()
                 if not msgs:
                     if not self.follow:
                         break
@@ -431,7 +337,9 @@ class NatsSubscriber(Subscriber):
                         try:
                             await client.flush(timeout=1)
                         except Exception as exc:
-                            log.debug("%s: flush failed: %s", self.shown, describe_error(exc))
+                            log.debug(
+                                "%s: flush failed: %s", self.shown, nats_client.describe_error(exc)
+                            )
 
 
 # -- URL factory (kvstream.config's _SUBSCRIBERS) -------------------------------------
@@ -439,11 +347,7 @@ class NatsSubscriber(Subscriber):
 
 def subscriber_from_url(parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]) -> Subscriber:
     """``nats://HOST:PORT[/SUBJECT]?durable=NAME&stream=...&deliver=...`` -> NatsSubscriber."""
-    from kvstream.config import make_codec
-
-    codec_name = opts.pop_str("codec")
-    if codec_name is not None:
-        kwargs["codec"] = make_codec(codec_name, opts)
+    reader_options(opts, kwargs)
     deliver = opts.pop_str("deliver")
     if deliver is not None and deliver not in DELIVER:
         raise ConfigError(
@@ -455,11 +359,8 @@ def subscriber_from_url(parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]
         stream=opts.pop_str("stream") or None,
         durable=opts.pop_str("durable") or None,
         deliver=deliver,  # type: ignore[arg-type]
-        follow=opts.pop_bool("follow", kwargs.pop("follow", True)),
-        from_seq=opts.pop_int("from_seq", kwargs.pop("from_seq", None)),
         fetch_batch=opts.pop_int("fetch_batch", 256, minimum=1) or 256,
         poll_interval=opts.pop_float("poll_interval", 1.0) or 1.0,
         ack_wait=opts.pop_float("ack_wait", 30.0) or 30.0,
-        connect_timeout=opts.pop_float("connect_timeout", 5.0) or 5.0,
         **kwargs,
     )

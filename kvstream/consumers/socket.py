@@ -53,7 +53,7 @@ from kvstream.wire.socket_protocol import (
     encode_hello,
     parse_welcome,
 )
-from kvstream.wire.socket_security import client_ssl_context, read_token
+from kvstream.wire.socket_security import client_ssl_context, token_from_options
 
 if TYPE_CHECKING:
     from kvstream.config import Options, ParsedURL
@@ -546,12 +546,7 @@ def subscriber_from_url(
 ) -> SocketSubscriber:
     """``tcp://HOST:PORT`` / ``unix:PATH`` -> a :class:`SocketSubscriber` (kvstream.config)."""
     where = parsed.raw.partition("?")[0]
-    if "token" in opts:
-        raise ConfigError(
-            f"{where}: option token: a secret in a URL is visible to other users "
-            "(ps, shell history, logs); use token_env=NAME or token_file=PATH"
-        )
-    token = read_token(env=opts.pop_str("token_env"), file=opts.pop_str("token_file"), where=where)
+    token = token_from_options(opts, where)
     if token is not None:
         kwargs.setdefault("token", token)
     ca = opts.pop_str("tls_ca")

@@ -28,6 +28,7 @@ from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ConfigError, TransportError
 from kvstream.events import EventBatch
 from kvstream.sinks.base import Sink
+from kvstream.wire import nats_client
 from kvstream.wire.broker import (
     DEFAULT_NATS_STREAM,
     DEFAULT_SUBJECT_FILTER,
@@ -38,14 +39,7 @@ from kvstream.wire.broker import (
     nats_headers,
     nats_headers_size,
 )
-from kvstream.wire.nats_client import (
-    close_quietly,
-    connect,
-    describe_error,
-    find_stream,
-    require_nats,
-    shown_url,
-)
+from kvstream.wire.broker_client import closed_on_error, shown_url
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -90,7 +84,7 @@ class NatsSink(Sink):
         connect_timeout: float = 5.0,
         **options: Any,
     ) -> None:
-        self._nats = require_nats()  # a missing extra fails here, not at the first send
+        self._nats = nats_client.require_nats()  # a missing extra fails here, not at the first send
         self.url = url
         self.shown = shown_url(url)
         if subject is not None:
@@ -146,18 +140,14 @@ class NatsSink(Sink):
         await self._connect()
 
     async def _connect(self) -> None:
-        client = await connect(
+        client = await nats_client.connect(
             self.url,
             name=f"kvstream sink {self.name}",
             connect_timeout=self.connect_timeout,
             on_lost=self._on_lost,
         )
-        try:
+        async with closed_on_error(lambda: nats_client.close_quietly(client)):
             info = await self._ensure_stream(client)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await close_quietly(client)
-            raise
         self._client = client
         self._js = client.jetstream(timeout=self.ack_timeout)
         self._stream_name = info.config.name
@@ -174,44 +164,35 @@ class NatsSink(Sink):
 
     async def _ensure_stream(self, client: Client) -> Any:
         target = self.subject or DEFAULT_SUBJECT_FILTER
-        info = await find_stream(client, target, self.stream, self.shown)
+        info = await nats_client.find_stream(client, target, self.stream, self.shown)
         if info is None:
             if not self.create:
-                which = (
-                    f"stream {self.stream!r} does not exist"
-                    if self.stream
-                    else (f"no JetStream stream covers subject {target!r}")
-                )
-                raise ConfigError(
-                    f"{self.shown}: {which}; create it, or add ?create=true to the sink URL"
+                raise nats_client.no_stream_error(
+                    self.shown, self.stream, target, "add ?create=true to the sink URL"
                 )
             info = await self._create_stream(client, self.stream or DEFAULT_NATS_STREAM, target)
         self._check_config(info)
         return info
 
     async def _create_stream(self, client: Client, name: str, subject: str) -> Any:
-        nats = require_nats()
+        nats = nats_client.require_nats()
         from nats.js.api import StorageType, StreamConfig
 
         params: dict[str, Any] = dict(self._wanted)
         if "storage" in params:
             params["storage"] = StorageType(params["storage"])
         config = StreamConfig(name=name, subjects=[subject], **params)
-        try:
-            info = await client.jsm().add_stream(config)
-        except nats.js.errors.APIError as exc:
-            if exc.err_code == _STREAM_EXISTS:  # created meanwhile by someone else
-                found = await find_stream(client, subject, name, self.shown)
-                if found is not None:
-                    return found
-            raise ConfigError(
-                f"{self.shown}: cannot create stream {name!r} for {subject!r}: "
-                f"{exc.description or describe_error(exc)}"
-            ) from exc
-        except (nats.errors.Error, OSError) as exc:
-            raise TransportError(
-                f"{self.shown}: cannot create stream {name!r}: {describe_error(exc)}"
-            ) from exc
+        with nats_client.jetstream_errors(self.shown, f"create stream {name!r} for {subject!r}"):
+            try:
+                info = await client.jsm().add_stream(config)
+            except nats.js.errors.APIError as exc:
+                if exc.err_code != _STREAM_EXISTS:
+                    raise
+                # Created meanwhile by someone else: use it if it covers the subject.
+                found = await nats_client.find_stream(client, subject, name, self.shown)
+                if found is None:
+                    raise
+                return found
         log.info("%s: created stream %s for %s", self.shown, name, subject)
         return info
 
@@ -232,7 +213,7 @@ class NatsSink(Sink):
         if client is not None and client.is_connected:
             return
         self._client = self._js = None
-        await close_quietly(client)
+        await nats_client.close_quietly(client)
         await self._connect()
         log.info("%s: reconnected", self.name)
 
@@ -276,7 +257,7 @@ class NatsSink(Sink):
                     self._ack_scope = None
         except (nats.errors.Error, OSError) as exc:
             raise TransportError(
-                f"{self.shown}: publish to {subject} failed: {describe_error(exc)}"
+                f"{self.shown}: publish to {subject} failed: {nats_client.describe_error(exc)}"
             ) from exc
         if scope.cancelled_caught:
             raise TransportError(f"{self.shown}: connection lost before the ack")
@@ -286,7 +267,7 @@ class NatsSink(Sink):
 
     async def _stored(self, subject: str, batch: EventBatch) -> bool:
         """True when the subject's last message is ``batch`` or a later one of its producer."""
-        nats = require_nats()
+        nats = nats_client.require_nats()
         client = self._client
         if client is None or self._stream_name is None:
             return False
@@ -306,7 +287,7 @@ class NatsSink(Sink):
         finally:
             client, self._client, self._js = self._client, None, None
             with anyio.CancelScope(shield=True):
-                await close_quietly(client)
+                await nats_client.close_quietly(client)
 
 
 # -- URL factory (kvstream.config's _SINKS) -------------------------------------------

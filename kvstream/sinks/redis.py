@@ -26,6 +26,7 @@ from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ConfigError, DecodeError, TransportError
 from kvstream.events import EventBatch
 from kvstream.sinks.base import Sink
+from kvstream.wire import redis_client
 from kvstream.wire.broker import (
     DEFAULT_REDIS_STREAM,
     BatchKey,
@@ -33,14 +34,7 @@ from kvstream.wire.broker import (
     key_from_fields,
     redis_fields,
 )
-from kvstream.wire.redis_client import (
-    close_quietly,
-    describe_error,
-    open_client,
-    require_redis,
-    shown_url,
-    stream_type_check,
-)
+from kvstream.wire.broker_client import shown_url
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -89,7 +83,7 @@ class RedisSink(Sink):
         dedup_scan: int = 100_000,
         **options: Any,
     ) -> None:
-        require_redis()  # a missing extra fails here, not at the first send
+        redis_client.require_redis()  # a missing extra fails here, not at the first send
         self.url = url
         self.shown = shown_url(url)
         if not stream:
@@ -117,17 +111,11 @@ class RedisSink(Sink):
         self.duplicates = 0
 
     async def open(self) -> None:
-        client = await open_client(self.url, db=self.db, connect_timeout=self.connect_timeout)
-        try:
-            await stream_type_check(client, self.stream, self.shown)
+        client = await redis_client.open_stream_client(
+            self.url, self.stream, db=self.db, connect_timeout=self.connect_timeout
+        )
+        async with redis_client.translated_errors(client, self.shown):
             last = await client.xrevrange(self.stream, count=1)
-        except BaseException as exc:
-            with anyio.CancelScope(shield=True):
-                await close_quietly(client)
-            redis = require_redis()
-            if isinstance(exc, redis.exceptions.RedisError):
-                raise TransportError(f"{self.shown}: {describe_error(exc)}") from exc
-            raise
         self._last_id = _as_id(last[0][0]) if last else b"0-0"
         self._client = client
 
@@ -135,7 +123,7 @@ class RedisSink(Sink):
         await self.send_many([(data, batch)])
 
     async def send_many(self, items: Sequence[tuple[bytes, EventBatch]]) -> None:
-        redis = require_redis()
+        redis = redis_client.require_redis()
         client = self._client
         if client is None:
             raise TransportError(f"{self.shown}: not connected")
@@ -172,7 +160,7 @@ class RedisSink(Sink):
                     ids = await pipe.execute()
         except (redis.exceptions.RedisError, OSError) as exc:
             raise TransportError(
-                f"{self.shown}: XADD to {self.stream} failed: {describe_error(exc)}"
+                f"{self.shown}: XADD to {self.stream} failed: {redis_client.describe_error(exc)}"
             ) from exc
         self._uncertain = False
         self._last_id = _as_id(ids[-1])
@@ -214,7 +202,7 @@ class RedisSink(Sink):
         finally:
             client, self._client = self._client, None
             with anyio.CancelScope(shield=True):
-                await close_quietly(client)
+                await redis_client.close_quietly(client)
 
 
 # -- URL factory (kvstream.config's _SINKS) -------------------------------------------

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import deque
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Self
 
 import anyio
@@ -53,6 +52,7 @@ from kvstream.codecs.msgpack import MsgpackCodec, Refusal, codec_from_options
 from kvstream.errors import ConfigError, DecodeError, MissingDependencyError, TransportError
 from kvstream.events import EventBatch
 from kvstream.sinks.base import Sink
+from kvstream.sinks.replay_ring import ReplayRing
 from kvstream.wire.vllm_zmq import (
     DEFAULT_BUFFER_STEPS,
     DEFAULT_ENDPOINT,
@@ -235,9 +235,7 @@ class ZmqSink(Sink):
         self._pub: zmq.asyncio.Socket | None = None
         self._router: zmq.asyncio.Socket | None = None
         # The replay ring: exact frames, bounded in bytes and batches.
-        self._ring: deque[_Entry] = deque()
-        self._ring_first = 0  # position of _ring[0] among every batch ever stored
-        self._ring_bytes = 0
+        self._ring: ReplayRing[_Entry] = ReplayRing(replay_max_bytes, buffer_steps)
         self._replies: dict[bytes, _Reply] = {}
         self._replies_wakeup = anyio.Event()
         self._subscriptions = 0
@@ -427,18 +425,8 @@ class ZmqSink(Sink):
                 raise TransportError(f"{self.name}: cannot publish: {exc}") from exc
             break
         if self._router is not None:
-            self._store(_Entry(batch.seq, topic, seq_frame, data))
-
-    def _store(self, entry: _Entry) -> None:
-        ring = self._ring
-        ring.append(entry)
-        self._ring_bytes += len(entry.payload) + len(entry.topic) + 8 + _ENTRY_OVERHEAD
-        while len(ring) > 1 and (
-            len(ring) > self.buffer_steps or self._ring_bytes > self.replay_max_bytes
-        ):
-            old = ring.popleft()
-            self._ring_first += 1
-            self._ring_bytes -= len(old.payload) + len(old.topic) + 8 + _ENTRY_OVERHEAD
+            cost = len(data) + len(topic) + 8 + _ENTRY_OVERHEAD
+            self._ring.append(_Entry(batch.seq, topic, seq_frame, data), cost)
 
     # -- subscriptions ------------------------------------------------------------------
 
@@ -497,8 +485,8 @@ class ZmqSink(Sink):
                 )
                 continue
             # A new request from a client being served restarts its reply.
-            end = self._ring_first + len(self._ring)
-            replies[identity] = _Reply(identity, start_seq, self._ring_first, end)
+            ring = self._ring
+            replies[identity] = _Reply(identity, start_seq, ring.first_pos, ring.end_pos)
             wakeup, self._replies_wakeup = self._replies_wakeup, anyio.Event()
             wakeup.set()
 
@@ -526,16 +514,16 @@ class ZmqSink(Sink):
         assert router is not None
         layout = self.replay_layout
         sent = 0
+        ring = self._ring
         while sent < _REPLY_BUDGET:
-            ring = self._ring
-            first = self._ring_first
+            first = ring.first_pos
             if reply.next < first:  # the ring moved on: those batches are gone
                 reply.next = first
             if reply.next >= reply.end:
                 frames = replay_end(reply.identity, layout)
                 entry = None
             else:
-                entry = ring[reply.next - first]
+                entry = ring.get(reply.next)
                 if entry.seq < reply.start_seq:
                     reply.next += 1
                     continue
@@ -589,7 +577,7 @@ class ZmqSink(Sink):
             events_refused=self._events_refused,
             batches_unroutable=self._unroutable,
             ring_batches=len(self._ring),
-            ring_bytes=self._ring_bytes,
+            ring_bytes=self._ring.bytes,
             replay_requests=self._replay_requests,
             replay_malformed=self._replay_malformed,
             replay_busy=self._replay_busy,

@@ -292,6 +292,24 @@ class PayloadDecoder:
             codec = self._codecs[name] = factory()
         return codec
 
+    def decode_message(self, data: bytes, headers: Mapping[str, str] | None) -> EventBatch:
+        """The batch of a NATS message: its body, named and typed by its headers."""
+        key = key_from_headers(headers)
+        assert headers is not None  # key_from_headers raised otherwise
+        return self.decode(data, key, headers.get(HEADER_CODEC))
+
+    def decode_entry(self, fields: Mapping[Any, Any] | None) -> EventBatch:
+        """The batch of a Redis Streams entry: its payload, named and typed by its fields."""
+        key = key_from_fields(fields)
+        assert fields is not None  # key_from_fields raised otherwise
+        payload = fields.get(FIELD_PAYLOAD)
+        if type(payload) is not bytes:
+            raise DecodeError("entry: expected a payload field")
+        codec = fields.get(FIELD_CODEC)
+        if isinstance(codec, bytes):
+            codec = codec.decode("utf-8", "replace")
+        return self.decode(payload, key, str(codec) if codec else None)
+
     def decode(self, data: bytes, key: BatchKey, codec_name: str | None) -> EventBatch:
         """The batch in ``data``, named ``key``."""
         origin, epoch, seq = key

@@ -12,10 +12,11 @@ minutes. nats-py's error callbacks are replaced with one-line log records.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from kvstream.errors import ConfigError, TransportError
+from kvstream.errors import ConfigError, KVStreamError, TransportError
 from kvstream.wire.broker import subject_covers
 from kvstream.wire.broker_client import import_extra, shown_url
 
@@ -27,6 +28,7 @@ __all__ = [
     "connect",
     "describe_error",
     "find_stream",
+    "jetstream_errors",
     "no_stream_error",
     "require_nats",
     "shown_url",
@@ -141,6 +143,28 @@ async def find_stream(client: Client, subject: str, stream: str | None, where: s
             f"yourself, or name another stream or subject"
         )
     return info
+
+
+@contextmanager
+def jetstream_errors(where: str, doing: str) -> Iterator[None]:
+    """Translate the errors of JetStream management calls (streams, consumers).
+
+    The server refusing the request (an API error: a bad name, a limit, a
+    permission) is a :class:`ConfigError`, since trying again would not help;
+    a lost connection is a :class:`TransportError`. Both read
+    ``"<where>: cannot <doing>: <why>"``. kvstream's own errors pass unchanged.
+    """
+    nats = require_nats()
+    try:
+        yield
+    except KVStreamError:
+        raise
+    except nats.js.errors.APIError as exc:
+        raise ConfigError(
+            f"{where}: cannot {doing}: {exc.description or describe_error(exc)}"
+        ) from exc
+    except (nats.errors.Error, OSError) as exc:
+        raise TransportError(f"{where}: cannot {doing}: {describe_error(exc)}") from exc
 
 
 def no_stream_error(where: str, stream: str | None, subject: str, remedy: str) -> ConfigError:

@@ -10,11 +10,13 @@ reads with its own backoff. A connection error at start becomes
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
-from kvstream.errors import ConfigError, TransportError
-from kvstream.wire.broker_client import import_extra, shown_url
+from kvstream.errors import ConfigError, KVStreamError, TransportError
+from kvstream.wire.broker_client import closed_on_error, import_extra, shown_url
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -24,9 +26,11 @@ __all__ = [
     "describe_error",
     "make_client",
     "open_client",
+    "open_stream_client",
     "require_redis",
     "shown_url",
     "stream_type_check",
+    "translated_errors",
 ]
 
 log = logging.getLogger("kvstream.redis")
@@ -97,6 +101,32 @@ async def stream_type_check(client: Redis, key: str, where: str) -> None:
         kind = kind.decode()
     if kind not in ("none", "stream"):
         raise ConfigError(f"{where}: key {key!r} holds a {kind}, expected a stream")
+
+
+async def open_stream_client(
+    url: str, stream: str, *, db: int = 0, connect_timeout: float = 5.0
+) -> Redis:
+    """:func:`open_client`, then ConfigError (the client closed) when ``stream`` is not a stream."""
+    client = await open_client(url, db=db, connect_timeout=connect_timeout)
+    async with closed_on_error(lambda: close_quietly(client)):
+        await stream_type_check(client, stream, shown_url(url))
+    return client
+
+
+@asynccontextmanager
+async def translated_errors(client: Redis, where: str) -> AsyncIterator[None]:
+    """Around a set-up step of a new ``client``: if the step fails, close the client.
+
+    Redis and socket errors of the step become ``TransportError("<where>: ...")``.
+    """
+    redis = require_redis()
+    async with closed_on_error(lambda: close_quietly(client)):
+        try:
+            yield
+        except KVStreamError:
+            raise
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise TransportError(f"{where}: {describe_error(exc)}") from exc
 
 
 async def close_quietly(client: Redis | None) -> None:

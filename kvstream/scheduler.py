@@ -451,10 +451,12 @@ class Scheduler:
             raise InvalidEventTypeError(f"sinks: expected a Sink, got {type(sink).__name__}")
         if sink in self._sinks:
             raise ConfigError(f"sink {sink.name!r} was added twice")
-        # Share encodings between sinks whose codecs are equal.
+        # Share encodings (and what they teach about sizes) between sinks whose
+        # codecs are equal.
         for other in self._sinks:
             if other.codec is not None and other.codec == sink.codec:
                 other.share_encoding = sink.share_encoding = True
+                sink._size_model = other._size_model
         self._sinks.append(sink)
         # Sinks that serve snapshots (the socket sink) need the tick barrier.
         bind = getattr(sink, "bind_barrier", None)

@@ -6,8 +6,8 @@ connecting, subscribed to everything) or ``... stream HOST:PORT`` /
 ``{}``, and reads the stream). It decodes
 nothing, so it does not cap what it measures. Commands, one per line on stdin:
 
-* ``arm``: reset the counts; print ``ready`` after the next message (ZMQ) or
-  once connected (stream);
+* ``arm``: reset the counts and print ``armed``; then print ``ready`` after the
+  next message (ZMQ), or connect and print ``ready`` (stream);
 * ``count``: print the counts as one JSON line;
 * ``quit``: exit.
 
@@ -69,9 +69,19 @@ def _zmq_loop(endpoint: str, commands: IO[str]) -> None:
                 messages = frames = nbytes = 0
                 first = last = 0.0
                 armed = True
+                print("armed", flush=True)
             elif line == "count":
-                print(json.dumps({"messages": messages, "frames": frames, "bytes": nbytes,
-                                  "seconds": last - first}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "messages": messages,
+                            "frames": frames,
+                            "bytes": nbytes,
+                            "seconds": last - first,
+                        }
+                    ),
+                    flush=True,
+                )
             elif line in ("quit", ""):
                 sub.close(linger=0)
                 ctx.term()

@@ -8,7 +8,6 @@ when it is found in a source checkout and turns its JSON into table rows.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,18 +33,30 @@ def _rows(data: dict[str, Any]) -> list[Row]:
         if not isinstance(value, dict):
             continue
         if key.startswith("apply_") and "apply_blocks_per_s" in value:
-            n = key.split("_", 1)[1]
+            blocks = int(key.split("_", 1)[1])
             base = value.get("baseline_hash_only_blocks_per_s")
-            rows.append(Row(
-                "index", "apply (blocks/s)", f"{int(n):,} blocks", value["apply_blocks_per_s"],
-                "hash only" if base else "", value["apply_blocks_per_s"] / base if base else None,
-                note=f"{value.get('apply_ns_per_block', 0):.0f} ns/block",
-            ))
+            rows.append(
+                Row(
+                    "index",
+                    "apply (blocks/s)",
+                    f"{blocks:,} blocks",
+                    value["apply_blocks_per_s"],
+                    "hash only" if base else "",
+                    value["apply_blocks_per_s"] / base if base else None,
+                    note=f"{value.get('apply_ns_per_block', 0):.0f} ns/block",
+                )
+            )
         elif key == "apply_sim" and "apply_block_events_per_s" in value:
-            rows.append(Row("index", "apply, simulated engines (block events/s)", "",
-                            value["apply_block_events_per_s"]))
+            rows.append(
+                Row(
+                    "index",
+                    "apply, simulated engines (block events/s)",
+                    "",
+                    value["apply_block_events_per_s"],
+                )
+            )
         elif key.startswith("match_"):
-            n = int(key.split("_", 1)[1])
+            indexed = int(key.split("_", 1)[1])
             for tokens in (1024, 8192):
                 for kind in ("hit", "miss"):
                     p50 = value.get(f"{tokens}_tokens_{kind}_p50_us")
@@ -53,18 +64,29 @@ def _rows(data: dict[str, Any]) -> list[Row]:
                     if p50 is None:
                         continue
                     base = value.get(f"{tokens}_tokens_baseline_hash_only_p50_us")
-                    rows.append(Row(
-                        "index", f"match {tokens}-token prompt ({kind})", f"{n:,} blocks",
-                        baseline="hash only" if base and kind == "hit" else "",
-                        ratio=p50 / base if base and kind == "hit" else None,
-                        p50_us=p50, p99_us=p99,
-                    ))
+                    rows.append(
+                        Row(
+                            "index",
+                            f"match {tokens}-token prompt ({kind})",
+                            f"{indexed:,} blocks",
+                            baseline="hash only" if base and kind == "hit" else "",
+                            ratio=p50 / base if base and kind == "hit" else None,
+                            p50_us=p50,
+                            p99_us=p99,
+                        )
+                    )
         elif key.startswith("memory_"):
             n = int(key.split("_", 1)[1])
             per = value.get("bytes_per_block_one_origin_one_tier")
             if per is not None:
-                rows.append(Row("index", "bytes per block (one origin, one tier)",
-                                f"{n:,} blocks", note=f"{per:.0f} bytes/block"))
+                rows.append(
+                    Row(
+                        "index",
+                        "bytes per block (one origin, one tier)",
+                        f"{n:,} blocks",
+                        note=f"{per:.0f} bytes/block",
+                    )
+                )
     return rows
 
 
@@ -92,8 +114,10 @@ async def bench_index(quick: bool, progress: Progress | None = None) -> Result:
         result.skipped = f"bench_index.py printed no JSON: {exc}"
         return result
     result.rows = _rows(data)
-    result.data = {"command": " ".join(["python", "benchmarks/bench_index.py", *argv[2:]]),
-                   "output": data}
+    result.data = {
+        "command": " ".join(["python", "benchmarks/bench_index.py", *argv[2:]]),
+        "output": data,
+    }
     if progress is not None:
         progress()
     return result

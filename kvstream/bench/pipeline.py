@@ -128,7 +128,9 @@ async def bench_efficiency(
                     os.unlink(path)
                 return [FileSink(path, codec=JsonCodec())]
 
-            async def codec_case(prebuilt: list[EventBatch] = prebuilt, total: int = total) -> Sample:
+            async def codec_case(
+                prebuilt: list[EventBatch] = prebuilt, total: int = total
+            ) -> Sample:
                 return await codec_alone(codec, prebuilt, total)
 
             async def null_case(all_chunks: list[list[KVCacheEvent]] = all_chunks) -> Sample:
@@ -156,7 +158,10 @@ async def bench_efficiency(
                 )
             )
             series["codec alone"].append((n, base.events_per_s))
-            for name, label in (("null sink", "pipeline -> null sink"), ("file", "pipeline -> file")):
+            for name, label in (
+                ("null sink", "pipeline -> null sink"),
+                ("file", "pipeline -> file"),
+            ):
                 s = summarize(samples[name])
                 # The ratio of medians and the median of per-round ratios agree closely;
                 # report the per-round one (pairs measured back to back).
@@ -241,8 +246,11 @@ async def bench_host_cost(
         total = n * ticks
         all_latencies: list[float] = []
 
-        async def pipeline_case(per_source: list[list[list[KVCacheEvent]]] = per_source,
-                                n: int = n) -> Sample:
+        async def pipeline_case(
+            per_source: list[list[list[KVCacheEvent]]] = per_source,
+            n: int = n,
+            all_latencies: list[float] = all_latencies,
+        ) -> Sample:
             sample, latencies = await run_paced(per_source, n)
             all_latencies.extend(latencies)
             return sample
@@ -250,7 +258,6 @@ async def bench_host_cost(
         async def codec_case(prebuilt: list[EventBatch] = prebuilt, total: int = total) -> Sample:
             return await codec_alone(codec, prebuilt, total)
 
-        all_latencies.clear()
         samples = await interleave(
             {"pipeline": pipeline_case, "codec alone": codec_case},
             runs=sizes.runs,
@@ -268,8 +275,13 @@ async def bench_host_cost(
             for a, b in zip(samples["pipeline"], samples["codec alone"], strict=True)
         )
         result.rows.append(
-            Row("host", "JSON codec alone (baseline)", f"{n}/tick", base.events_per_s,
-                cpu_us_per_event=base.cpu_us_per_event)
+            Row(
+                "host",
+                "JSON codec alone (baseline)",
+                f"{n}/tick",
+                base.events_per_s,
+                cpu_us_per_event=base.cpu_us_per_event,
+            )
         )
         result.rows.append(
             Row(
@@ -335,8 +347,14 @@ async def _emit_cost(pool: list[KVCacheEvent], sizes: Sizes) -> list[Row]:
             per_call = statistics.median(timings)
             what = "emit(event)" if n == 1 else f"emit(list of {n})"
             rows.append(
-                Row("host", what, "", 1e6 / per_call * n, p50_us=per_call,
-                    note=f"{per_call / n * 1000:.0f} ns per event")
+                Row(
+                    "host",
+                    what,
+                    "",
+                    1e6 / per_call * n,
+                    p50_us=per_call,
+                    note=f"{per_call / n * 1000:.0f} ns per event",
+                )
             )
     return rows
 
@@ -363,8 +381,9 @@ async def bench_scaling(
             continue
         per_source = _split(all_chunks, 4)
 
-        async def sink_case(per_source: list[list[list[KVCacheEvent]]] = per_source,
-                            k: int = k) -> Sample:
+        async def sink_case(
+            per_source: list[list[list[KVCacheEvent]]] = per_source, k: int = k
+        ) -> Sample:
             return await run_sources(per_source, _null_sinks(k))
 
         cases[f"4 sources, {k} sinks"] = sink_case
@@ -380,14 +399,25 @@ async def bench_scaling(
             float((x.extra or {}).get("events_per_batch", 0)) for x in runs
         )
         result.rows.append(
-            Row("scaling", name, "", s.events_per_s, first if name != first else "", 
-                ratio if name != first else None, s.cpu_us_per_event,
-                note=f"{per_batch:.0f} events/batch")
+            Row(
+                "scaling",
+                name,
+                "",
+                s.events_per_s,
+                first if name != first else "",
+                ratio if name != first else None,
+                s.cpu_us_per_event,
+                note=f"{per_batch:.0f} events/batch",
+            )
         )
         if name == f"{max(sizes.sources)} sources, 1 sink" and name != first:
             result.targets.append(
-                Target(f"events/s, {max(sizes.sources)} sources over {sizes.sources[0]}", ratio,
-                       0.75, ">=")
+                Target(
+                    f"events/s, {max(sizes.sources)} sources over {sizes.sources[0]}",
+                    ratio,
+                    0.75,
+                    ">=",
+                )
             )
     result.data["baseline_events_per_s"] = base.events_per_s
     return result

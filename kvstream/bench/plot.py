@@ -34,8 +34,9 @@ def series_of(report: dict[str, Any]) -> list[tuple[str, str, Series]]:
             }
             panels.append(("Pipeline vs the codec alone", "events per tick", named))
         elif result["name"] == "zmq":
-            panels.append(("ZMQ: kvstream vs vLLM's publisher design", "events per batch",
-                           dict(series)))
+            panels.append(
+                ("ZMQ: kvstream vs vLLM's publisher design", "events per batch", dict(series))
+            )
     return panels
 
 
@@ -62,6 +63,8 @@ def plot_series(report: dict[str, Any], path: str) -> str:
             ys = [p[1] for p in points]
             ax.plot(xs, ys, marker="o", label=name, color=color)
         ax.set_xscale("log", base=2)
+        ticks = sorted({p[0] for points in series.values() for p in points})
+        ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.set_xlabel(xlabel)
         ax.set_ylabel("events/s")
         ax.set_title(title)
@@ -73,7 +76,8 @@ def plot_series(report: dict[str, Any], path: str) -> str:
     m = report.get("machine", {})
     fig.suptitle(
         f"kvstream bench{' --quick' if report.get('quick') else ''}: {m.get('cpus')} CPUs, "
-        f"Python {m.get('python')}", fontsize=10,
+        f"Python {m.get('python')}",
+        fontsize=10,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -104,34 +108,49 @@ def _svg(panels: list[tuple[str, str, Series]], report: dict[str, Any]) -> str:
         def sy(y: float, ymax: float = ymax) -> float:
             return h - pad_b - y / ymax * (h - pad_b - pad_t)
 
-        parts.append(f'<text x="{x0 + w / 2}" y="16" text-anchor="middle" '
-                     f'font-weight="bold">{escape(title)}</text>')
-        parts.append(f'<line x1="{x0 + pad_l}" y1="{h - pad_b}" x2="{x0 + w - pad_r}" '
-                     f'y2="{h - pad_b}" stroke="black"/>')
-        parts.append(f'<line x1="{x0 + pad_l}" y1="{pad_t}" x2="{x0 + pad_l}" '
-                     f'y2="{h - pad_b}" stroke="black"/>')
+        parts.append(
+            f'<text x="{x0 + w / 2}" y="16" text-anchor="middle" '
+            f'font-weight="bold">{escape(title)}</text>'
+        )
+        parts.append(
+            f'<line x1="{x0 + pad_l}" y1="{h - pad_b}" x2="{x0 + w - pad_r}" '
+            f'y2="{h - pad_b}" stroke="black"/>'
+        )
+        parts.append(
+            f'<line x1="{x0 + pad_l}" y1="{pad_t}" x2="{x0 + pad_l}" '
+            f'y2="{h - pad_b}" stroke="black"/>'
+        )
         for x in sorted({p[0] for p in points}):
-            parts.append(f'<text x="{sx(x):.1f}" y="{h - pad_b + 14}" '
-                         f'text-anchor="middle">{x}</text>')
+            parts.append(
+                f'<text x="{sx(x):.1f}" y="{h - pad_b + 14}" text-anchor="middle">{x}</text>'
+            )
         for i in range(6):
             y = ymax * i / 5
-            parts.append(f'<text x="{x0 + pad_l - 6}" y="{sy(y) + 4:.1f}" '
-                         f'text-anchor="end">{y / 1000:.0f}k</text>')
-            parts.append(f'<line x1="{x0 + pad_l}" y1="{sy(y):.1f}" x2="{x0 + w - pad_r}" '
-                         f'y2="{sy(y):.1f}" stroke="#ddd"/>')
-        parts.append(f'<text x="{x0 + pad_l + (w - pad_l - pad_r) / 2}" y="{h - 8}" '
-                     f'text-anchor="middle">{escape(xlabel)}</text>')
+            parts.append(
+                f'<text x="{x0 + pad_l - 6}" y="{sy(y) + 4:.1f}" '
+                f'text-anchor="end">{y / 1000:.0f}k</text>'
+            )
+            parts.append(
+                f'<line x1="{x0 + pad_l}" y1="{sy(y):.1f}" x2="{x0 + w - pad_r}" '
+                f'y2="{sy(y):.1f}" stroke="#ddd"/>'
+            )
+        parts.append(
+            f'<text x="{x0 + pad_l + (w - pad_l - pad_r) / 2}" y="{h - 8}" '
+            f'text-anchor="middle">{escape(xlabel)}</text>'
+        )
         for j, ((name, pts), color) in enumerate(zip(series.items(), _COLORS, strict=False)):
             if not pts:
                 continue
             path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
-            parts.append(f'<polyline points="{path}" fill="none" stroke="{color}" '
-                         'stroke-width="2"/>')
+            parts.append(
+                f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"/>'
+            )
             for x, y in pts:
                 parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{color}"/>')
             ly = pad_t + 6 + 14 * j
-            parts.append(f'<rect x="{x0 + pad_l + 10}" y="{ly - 8}" width="10" height="10" '
-                         f'fill="{color}"/>')
+            parts.append(
+                f'<rect x="{x0 + pad_l + 10}" y="{ly - 8}" width="10" height="10" fill="{color}"/>'
+            )
             parts.append(f'<text x="{x0 + pad_l + 25}" y="{ly + 1}">{escape(name)}</text>')
     parts.append("</svg>")
     return "\n".join(parts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, TextIO
 
-__all__ = ["COLUMNS", "format_number", "print_report", "render_text"]
+__all__ = ["COLUMNS", "format_number", "print_report", "render_markdown", "render_text"]
 
 #: (key, heading) of every column, in order.
 COLUMNS: tuple[tuple[str, str], ...] = (
@@ -47,7 +47,17 @@ def _cells(row: dict[str, Any]) -> list[str]:
 def _target_line(t: dict[str, Any]) -> str:
     mark = "MET " if t["met"] else "MISS"
     unit = f" {t['unit']}" if t.get("unit") else ""
-    return f"  [{mark}] {t['target']}: {t['value']:.3g}{unit} (target {t['op']} {t['limit']:g}{unit})"
+    return (
+        f"  [{mark}] {t['target']}: {t['value']:.3g}{unit} (target {t['op']} {t['limit']:g}{unit})"
+    )
+
+
+_RIGHT = frozenset({2, 3, 5, 6, 7, 8})  # numeric columns
+
+
+def _line(cells: list[str], used: list[int], widths: dict[int, int], width: int) -> str:
+    parts = [cells[i].rjust(widths[i]) if i in _RIGHT else cells[i].ljust(widths[i]) for i in used]
+    return ("  ".join(parts)).rstrip()[:width]
 
 
 def render_text(report: dict[str, Any], width: int = 200) -> str:
@@ -69,18 +79,11 @@ def render_text(report: dict[str, Any], width: int = 200) -> str:
         headings = [h for _, h in COLUMNS]
         used = [i for i in range(len(COLUMNS)) if any(r[i] for r in rows)]
         widths = {i: max(len(headings[i]), *(len(r[i]) for r in rows)) for i in used}
-        right = {2, 3, 5, 6, 7, 8}
-
-        def fmt(cells: list[str]) -> str:
-            parts = [
-                cells[i].rjust(widths[i]) if i in right else cells[i].ljust(widths[i])
-                for i in used
-            ]
-            return ("  ".join(parts)).rstrip()[:width]
-
-        lines.append(fmt(headings))
-        lines.append(fmt(["-" * widths.get(i, 0) for i in range(len(COLUMNS))]))
-        lines.extend(fmt(r) for r in rows)
+        lines.append(_line(headings, used, widths, width))
+        lines.append(
+            _line(["-" * widths.get(i, 0) for i in range(len(COLUMNS))], used, widths, width)
+        )
+        lines.extend(_line(r, used, widths, width) for r in rows)
         for t in result.get("targets", []):
             lines.append(_target_line(t))
     targets = report.get("targets", [])
@@ -92,6 +95,30 @@ def render_text(report: dict[str, Any], width: int = 200) -> str:
     return "\n".join(lines)
 
 
+def render_markdown(report: dict[str, Any], *, heading: str = "###") -> str:
+    """The results as Markdown tables (for docs/benchmarks.md), one per benchmark."""
+    out: list[str] = []
+    for result in report["results"]:
+        out.append(f"{heading} {result['title']}")
+        out.append("")
+        if result.get("skipped"):
+            out.append(f"{result['skipped']}")
+            out.append("")
+            continue
+        rows = [_cells(r) for r in result["rows"]]
+        used = [i for i in range(len(COLUMNS)) if any(r[i] for r in rows)]
+        out.append("| " + " | ".join(COLUMNS[i][1] for i in used) + " |")
+        out.append("|" + "|".join("---:" if i in _RIGHT else "---" for i in used) + "|")
+        for r in rows:
+            out.append("| " + " | ".join(r[i].replace("|", "/") for i in used) + " |")
+        out.append("")
+        for t in result.get("targets", []):
+            out.append(f"- {_target_line(t).strip()}")
+        if result.get("targets"):
+            out.append("")
+    return "\n".join(out)
+
+
 def print_report(report: dict[str, Any], out: TextIO, *, rich: bool = True) -> None:
     """Print ``report`` to ``out``: a rich table when rich is installed and asked for."""
     if rich:
@@ -100,10 +127,10 @@ def print_report(report: dict[str, Any], out: TextIO, *, rich: bool = True) -> N
             from rich.table import Table
         except ImportError:
             rich = False
-    if not rich:
+    console = Console(file=out) if rich else None
+    if console is None or console.width < 160:  # too narrow for the table: plain text
         print(render_text(report), file=out)
         return
-    console = Console(file=out)
     m = report.get("machine", {})
     console.print(
         f"[bold]kvstream bench{' --quick' if report.get('quick') else ''}[/bold]: "
@@ -118,8 +145,9 @@ def print_report(report: dict[str, Any], out: TextIO, *, rich: bool = True) -> N
         used = [i for i in range(len(COLUMNS)) if any(r[i] for r in rows)]
         table = Table(title=result["title"], title_justify="left", show_lines=False)
         for i in used:
-            justify = "right" if i in (2, 3, 5, 6, 7, 8) else "left"
-            table.add_column(COLUMNS[i][1], justify=justify, overflow="fold")
+            table.add_column(
+                COLUMNS[i][1], justify="right" if i in _RIGHT else "left", overflow="fold"
+            )
         for r in rows:
             table.add_row(*(r[i] for i in used))
         console.print(table)

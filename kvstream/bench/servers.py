@@ -50,11 +50,31 @@ class BrokerServer:
     def _argv(self, folder: Path) -> list[str]:
         assert self.binary is not None
         if self.kind == "nats":
-            return [self.binary, "-a", "127.0.0.1", "-p", str(self.port), "-js",
-                    "-sd", str(folder / "js")]
-        return [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-                "--dir", str(folder), "--appendonly", "no", "--save", "",
-                "--daemonize", "no"]
+            return [
+                self.binary,
+                "-a",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-js",
+                "-sd",
+                str(folder / "js"),
+            ]
+        return [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(folder),
+            "--appendonly",
+            "no",
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+        ]
 
     def _ready(self) -> bool:
         try:
@@ -71,7 +91,9 @@ class BrokerServer:
             raise FileNotFoundError(f"{self.kind} server binary not found in PATH")
         self._dir = Path(tempfile.mkdtemp(prefix="kvb-", dir="/tmp"))
         self._proc = subprocess.Popen(
-            self._argv(self._dir), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            self._argv(self._dir),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
             stdin=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 15

@@ -15,6 +15,7 @@ current wire), and keeps a replay ring as vLLM's publisher does.
 
 from __future__ import annotations
 
+import json
 import socket
 import statistics
 import time
@@ -38,11 +39,11 @@ Progress = Callable[[], None]
 
 
 def zmq_available() -> str:
-    """"" when the ZMQ comparison can run, else why not."""
+    """ "" when the ZMQ comparison can run, else why not."""
     try:
         import zmq  # noqa: F401
 
-        import kvstream.codecs.msgpack  # noqa: F401
+        import kvstream.codecs.msgpack
         import kvstream.sinks.zmq  # noqa: F401
     except ImportError as exc:
         return f"not available: {exc}"
@@ -56,9 +57,18 @@ def free_tcp_port() -> int:
         return port
 
 
+def _arm(counter: CounterProcess, timeout: float = 20.0) -> None:
+    """Reset the subscriber's counts; returns once it has done so."""
+    counter.command("arm")
+    deadline = time.monotonic() + timeout
+    while counter.poll_line(max(deadline - time.monotonic(), 0)) != "armed":
+        if time.monotonic() > deadline:
+            raise TimeoutError("the counting subscriber did not answer 'arm'")
+
+
 def _wait_ready(counter: CounterProcess, probe: Callable[[], None], timeout: float = 20.0) -> None:
     """Send probes until the subscriber has one, let stragglers land, re-arm the counts."""
-    counter.command("arm")
+    _arm(counter)
     deadline = time.monotonic() + timeout
     while True:
         probe()
@@ -67,7 +77,7 @@ def _wait_ready(counter: CounterProcess, probe: Callable[[], None], timeout: flo
         if time.monotonic() > deadline:
             raise TimeoutError("the counting subscriber never received a probe")
     time.sleep(0.2)
-    counter.command("arm")
+    _arm(counter)
 
 
 def _counts(counter: CounterProcess, messages: int, timeout: float = 20.0) -> dict[str, Any]:
@@ -78,12 +88,10 @@ def _counts(counter: CounterProcess, messages: int, timeout: float = 20.0) -> di
     while time.monotonic() < deadline:
         counter.command("count")
         line = counter.poll_line(5.0)
-        while line == "ready":
+        while line in ("ready", "armed"):
             line = counter.poll_line(5.0)
         if not line:
             break
-        import json
-
         now: dict[str, Any] = json.loads(line)
         if now.get("messages", 0) >= messages:
             return now
@@ -114,18 +122,30 @@ async def _baseline_run(
         got = _counts(counter, len(vbatches))
     finally:
         pub.close()
-    return Sample(sample.wall, sample.cpu, events, int(got.get("bytes", 0)),
-                  {"received_messages": got.get("messages", 0), "sent_messages": len(vbatches)})
+    return Sample(
+        sample.wall,
+        sample.cpu,
+        events,
+        int(got.get("bytes", 0)),
+        {"received_messages": got.get("messages", 0), "sent_messages": len(vbatches)},
+    )
 
 
 async def _kvstream_run(
-    endpoint: str, counter: CounterProcess, kchunks: list[list[KVCacheEvent]], events: int,
+    endpoint: str,
+    counter: CounterProcess,
+    kchunks: list[list[KVCacheEvent]],
+    events: int,
     probe: list[KVCacheEvent],
 ) -> Sample:
     from kvstream.sinks.zmq import ZmqSink
 
     sink = ZmqSink(
-        endpoint, replay_endpoint="tcp://127.0.0.1:*", bind=True, hwm=100_000, linger=0.0,
+        endpoint,
+        replay_endpoint="tcp://127.0.0.1:*",
+        bind=True,
+        hwm=100_000,
+        linger=0.0,
         name="zmq",
     )
     async with Scheduler(sinks=[sink], origin=ORIGIN, epoch=EPOCH, data_parallel_rank=0) as s:
@@ -136,7 +156,7 @@ async def _kvstream_run(
             s.emit(probe)
 
         # Probes go out on the loop: tick and let the writer run between polls.
-        counter.command("arm")
+        _arm(counter)
         deadline = time.monotonic() + 20
         while True:
             send_probe()
@@ -147,7 +167,7 @@ async def _kvstream_run(
             if time.monotonic() > deadline:
                 raise TimeoutError("the counting subscriber never received a probe")
         await anyio.sleep(0.2)
-        counter.command("arm")
+        _arm(counter)
         before = sink.statistics().events_out
         emit = s.emit
         tick = s.tick
@@ -158,14 +178,23 @@ async def _kvstream_run(
             await tick()
             await checkpoint()
         target = before + events
-        while sink.statistics().events_out < target:
+        # Sinks have no delivery event to wait on: poll their counters (0.5 ms).
+        while sink.statistics().events_out < target:  # noqa: ASYNC110
             await anyio.sleep(0.0005)
         sample = meter.stop(events)
         stats = sink.statistics()
         got = _counts(counter, len(kchunks))
-    return Sample(sample.wall, sample.cpu, events, int(got.get("bytes", 0)),
-                  {"received_messages": got.get("messages", 0), "sent_messages": len(kchunks),
-                   "dropped_batches": stats.batches_dropped})
+    return Sample(
+        sample.wall,
+        sample.cpu,
+        events,
+        int(got.get("bytes", 0)),
+        {
+            "received_messages": got.get("messages", 0),
+            "sent_messages": len(kchunks),
+            "dropped_batches": stats.batches_dropped,
+        },
+    )
 
 
 async def bench_zmq(
@@ -196,11 +225,13 @@ async def bench_zmq(
             total = n * count
 
             async def base_case(vbatches: list[Any] = vbatches, total: int = total) -> Sample:
-                return await _baseline_run(base_endpoint, base_counter, vbatches, total,
-                                           probe_batch)
+                return await _baseline_run(
+                    base_endpoint, base_counter, vbatches, total, probe_batch
+                )
 
-            async def kv_case(kchunks: list[list[KVCacheEvent]] = kchunks,
-                              total: int = total) -> Sample:
+            async def kv_case(
+                kchunks: list[list[KVCacheEvent]] = kchunks, total: int = total
+            ) -> Sample:
                 return await _kvstream_run(kv_endpoint, kv_counter, kchunks, total, probe_events)
 
             samples = await interleave(
@@ -226,14 +257,28 @@ async def bench_zmq(
                 return f"subscriber got {got}/{sent} batches"
 
             result.rows.append(
-                Row("zmq", "vLLM-design publisher (baseline)", f"{n}/batch", base.events_per_s,
-                    cpu_us_per_event=base.cpu_us_per_event, mb_per_s=base.mb_per_s,
-                    note=received(samples["baseline"]))
+                Row(
+                    "zmq",
+                    "vLLM-design publisher (baseline)",
+                    f"{n}/batch",
+                    base.events_per_s,
+                    cpu_us_per_event=base.cpu_us_per_event,
+                    mb_per_s=base.mb_per_s,
+                    note=received(samples["baseline"]),
+                )
             )
             result.rows.append(
-                Row("zmq", "kvstream ZmqSink (msgpack, map)", f"{n}/batch", kv.events_per_s,
-                    "vLLM-design", rate_ratio, kv.cpu_us_per_event, mb_per_s=kv.mb_per_s,
-                    note=f"CPU/event ratio {cpu_ratio:.2f}; {received(samples['kvstream'])}")
+                Row(
+                    "zmq",
+                    "kvstream ZmqSink (msgpack, map)",
+                    f"{n}/batch",
+                    kv.events_per_s,
+                    "vLLM-design",
+                    rate_ratio,
+                    kv.cpu_us_per_event,
+                    mb_per_s=kv.mb_per_s,
+                    note=f"CPU/event ratio {cpu_ratio:.2f}; {received(samples['kvstream'])}",
+                )
             )
             series["vLLM-design publisher"].append((n, base.events_per_s))
             series["kvstream ZMQ"].append((n, kv.events_per_s))
@@ -241,12 +286,14 @@ async def bench_zmq(
             result.data[f"rate_ratio_{n}"] = rate_ratio
             if n in (16, 256):
                 result.targets.append(
-                    Target(f"ZMQ sender events/s over vLLM design at {n}/batch", rate_ratio, 1.5,
-                           ">=")
+                    Target(
+                        f"ZMQ sender events/s over vLLM design at {n}/batch", rate_ratio, 1.5, ">="
+                    )
                 )
                 result.targets.append(
-                    Target(f"ZMQ sender CPU/event over vLLM design at {n}/batch", cpu_ratio, 0.67,
-                           "<=")
+                    Target(
+                        f"ZMQ sender CPU/event over vLLM design at {n}/batch", cpu_ratio, 0.67, "<="
+                    )
                 )
     finally:
         base_counter.close()

@@ -1,6 +1,6 @@
 """``kvstream bench``: the benchmark suite, side by side with its baselines.
 
-Runs every benchmark of :mod:`kvstream.bench` (or those named with ``--only``)
+Runs every benchmark of kvstream.bench (or those named with ``--only``)
 with a progress bar on stderr, prints a table (events/s, ratio to the
 baseline measured in the same run, CPU per event, p50/p99), checks the
 project's targets, and optionally writes the report as JSON and a plot of
@@ -14,8 +14,9 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
+
+import anyio
 
 from kvstream.bench.per_sink import SINK_NAMES
 from kvstream.bench.sizes import FULL, QUICK, TINY, Sizes
@@ -24,18 +25,22 @@ from kvstream.errors import ConfigError
 
 __all__ = ["register", "run"]
 
-EXAMPLES = """\
+EXAMPLES = (
+    """\
 examples:
   kvstream bench --quick                        every benchmark, small sizes (< 1 minute)
   kvstream bench --json bench.json --plot bench.png
   kvstream bench --only efficiency --only zmq   two benchmarks, full size
   kvstream bench --only sinks --sink tcp --sink zmq --runs 3
 
-benchmarks: """ + ", ".join(BENCHMARKS) + """
+benchmarks: """
+    + ", ".join(BENCHMARKS)
+    + """
 
 The machine should be otherwise idle: ratios are measured side by side in one run
 and hold better than absolute figures, but a loaded machine moves both.
 """
+)
 
 
 def register(sub: Any) -> None:
@@ -99,16 +104,24 @@ class _LineProgress:
             self._draw()
             print(file=sys.stderr, flush=True)
         else:
-            print(f"kvstream bench: {name}: done in {time.monotonic() - self._t0:.1f} s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"kvstream bench: {name}: done in {time.monotonic() - self._t0:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _draw(self) -> None:
         if not self._tty:
             return
         frac = min(self._done / self._total, 1.0)
         bar = "#" * int(frac * 30)
-        print(f"\r{self._name:<11} [{bar:<30}] {frac * 100:3.0f}% "
-              f"{time.monotonic() - self._t0:5.1f} s", end="", file=sys.stderr, flush=True)
+        print(
+            f"\r{self._name:<11} [{bar:<30}] {frac * 100:3.0f}% "
+            f"{time.monotonic() - self._t0:5.1f} s",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 class _RichProgress:
@@ -192,8 +205,7 @@ async def run(args: argparse.Namespace) -> int:
             progress = _LineProgress()
     if use_rich:
         with progress:
-            report = await run_suite(sizes, only=only, quick=quick, progress=progress,
-                                     sinks=sinks)
+            report = await run_suite(sizes, only=only, quick=quick, progress=progress, sinks=sinks)
     else:
         report = await run_suite(sizes, only=only, quick=quick, progress=progress, sinks=sinks)
     report["command"] = _command_line(args)
@@ -206,7 +218,7 @@ async def run(args: argparse.Namespace) -> int:
         if args.json == "-":
             print(text)
         else:
-            Path(args.json).write_text(text + "\n")
+            await anyio.Path(args.json).write_text(text + "\n")
             print(f"kvstream bench: report written to {args.json}", file=sys.stderr)
     if args.plot:
         from kvstream.bench.plot import plot_series

@@ -58,6 +58,30 @@ _INITIAL_BYTES_PER_EVENT: Final = 512.0
 _BATCH_OVERHEAD: Final = 128
 
 
+class _SizeModel:
+    """Encoded bytes per event, learned from the batches encoded so far.
+
+    Batches are queued before they are encoded, so the outbox accounts them at
+    this estimate. Sinks whose codecs are equal share one model (the scheduler
+    links them, as it shares their encodings): a sink whose transport stalled
+    encodes nothing, yet its outbox is accounted at the sizes the others see.
+    """
+
+    __slots__ = ("bytes_per_event", "learned")
+
+    def __init__(self) -> None:
+        self.bytes_per_event = _INITIAL_BYTES_PER_EVENT
+        self.learned = False
+
+    def observe(self, nbytes: int, events: int) -> None:
+        per_event = nbytes / events
+        if self.learned:
+            self.bytes_per_event = 0.875 * self.bytes_per_event + 0.125 * per_event
+        else:  # the first measurement replaces the guess
+            self.bytes_per_event = per_event
+            self.learned = True
+
+
 class SinkStatistics(NamedTuple):
     """A snapshot of one sink's counters."""
 
@@ -139,7 +163,7 @@ class Sink(ABC):
         self._outbox: deque[tuple[EventBatch, int]] = deque()
         self._queued_bytes = 0
         self._inflight: list[EventBatch] = []
-        self._bytes_per_event = _INITIAL_BYTES_PER_EVENT
+        self._size_model = _SizeModel()
         #: Set by the scheduler when another of its sinks uses an equal codec.
         self.share_encoding = False
         self._writer_waiting: anyio.Event | None = None
@@ -271,7 +295,7 @@ class Sink(ABC):
         """
         if self._closing:
             raise ClosedError(f"{self.name}: the sink is closed")
-        size = int(len(batch.events) * self._bytes_per_event) + _BATCH_OVERHEAD
+        size = int(len(batch.events) * self._size_model.bytes_per_event) + _BATCH_OVERHEAD
         outbox = self._outbox
         if outbox and (
             len(outbox) >= self.max_batches or self._queued_bytes + size > self.max_bytes
@@ -356,7 +380,7 @@ class Sink(ABC):
             data = codec.encode(batch)
         n = len(batch.events)
         if n:
-            self._bytes_per_event = 0.875 * self._bytes_per_event + 0.125 * (len(data) / n)
+            self._size_model.observe(len(data), n)
         return data
 
     def _take(self) -> list[tuple[bytes, EventBatch]]:

@@ -1,0 +1,237 @@
+"""The benchmark suite works: tiny sizes, every code path, valid reports. No timings asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvstream.bench.measure import Sample, percentile, summarize
+from kvstream.bench.plot import plot_series
+from kvstream.bench.report import render_text
+from kvstream.bench.sizes import TINY
+from kvstream.bench.suite import BENCHMARKS, run_suite
+from kvstream.bench.vllm_baseline import to_vllm_batch
+from kvstream.bench.workload import batches, chunks, event_pool, pool_stats
+from kvstream.cli.main import main
+from kvstream.codecs.msgpack import MsgpackCodec
+from kvstream.events import BlockRemoved, BlockStored
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load(path: Path) -> dict[str, Any]:
+    report: dict[str, Any] = json.loads(path.read_text())
+    return report
+
+
+def _check_report(report: dict[str, Any], names: list[str]) -> None:
+    assert report["kvstream_bench"] == 1
+    assert report["machine"]["cpus"] >= 1
+    assert [r["name"] for r in report["results"]] == names
+    for result in report["results"]:
+        if result.get("skipped"):
+            continue
+        assert result["rows"], result["name"]
+        for row in result["rows"]:
+            for key in ("events_per_s", "ratio", "cpu_us_per_event", "p50_us", "p99_us"):
+                if key in row:
+                    assert row[key] >= 0, (result["name"], row)
+    for target in report["targets"]:
+        assert set(target) >= {"target", "value", "op", "limit", "met"}
+        assert target["met"] == (
+            target["value"] >= target["limit"]
+            if target["op"] == ">="
+            else target["value"] <= target["limit"]
+        )
+
+
+def test_workload_has_the_issue_shape() -> None:
+    pool = event_pool(512)
+    stats = pool_stats(pool)
+    assert stats.events == 512
+    assert stats.stored > 0
+    assert stats.removed > 0
+    assert stats.blocks_per_stored == 16
+    assert stats.tokens_per_stored == 256
+    assert all(type(e) in (BlockStored, BlockRemoved) for e in pool)
+    # Cycling reuses the pool's events: nothing new is made.
+    cycled = chunks(pool, 64, 20)
+    assert all(e is pool[(i * 64 + j) % 512] for i, c in enumerate(cycled) for j, e in enumerate(c))
+    numbered = batches(pool, 16, 3)
+    assert [b.seq for b in numbered] == [0, 1, 2]
+    assert all(len(b) == 16 for b in numbered)
+
+
+def test_vllm_baseline_sends_the_bytes_kvstream_sends() -> None:
+    """The baseline does the same work: its payload is the msgpack codec's (map profile)."""
+    pool = event_pool(512)
+    encoder = msgspec.msgpack.Encoder()
+    codec = MsgpackCodec()
+    for batch in batches(pool, 16, 4):
+        assert encoder.encode(to_vllm_batch(batch)) == codec.encode(batch)
+
+
+def test_measure_helpers() -> None:
+    assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 99) == 4.0
+    s = summarize([Sample(1.0, 0.5, 100, 1000), Sample(2.0, 1.0, 100, 1000)])
+    assert s.events_per_s == 75.0
+    assert s.cpu_us_per_event == 7500.0
+
+
+def test_cli_bench_tiny_writes_json_table_and_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report_path = tmp_path / "bench.json"
+    plot_path = tmp_path / "bench.svg"
+    code = main(
+        [
+            "bench",
+            "--tiny",
+            "--no-progress",
+            "--only",
+            "event",
+            "--only",
+            "efficiency",
+            "--only",
+            "host",
+            "--only",
+            "scaling",
+            "--only",
+            "memory",
+            "--json",
+            str(report_path),
+            "--plot",
+            str(plot_path),
+        ]
+    )
+    assert code == 0
+    report = _load(report_path)
+    _check_report(report, ["event", "efficiency", "host", "scaling", "memory"])
+    out = capsys.readouterr().out
+    assert "Pipeline efficiency" in out
+    assert "Targets:" in out
+    names = {t["target"] for t in report["targets"]}
+    assert any("tick() p50" in n for n in names)
+    assert any("validated event" in n for n in names)
+    memory = next(r for r in report["results"] if r["name"] == "memory")
+    assert set(memory["data"]) == {"drop_oldest", "drop_newest", "block"}
+    assert memory["data"]["block"]["blocked"] is True
+    assert memory["data"]["drop_oldest"]["stalled_dropped_events"] > 0
+    assert plot_path.stat().st_size > 0
+
+
+async def test_zmq_and_sinks_tiny() -> None:
+    report = await run_suite(TINY, only=["zmq", "sinks"], quick=True, sinks=("file", "unix", "zmq"))
+    _check_report(report, ["zmq", "sinks"])
+    zmq_result, sinks_result = report["results"]
+    assert not zmq_result.get("skipped")
+    # Every batch reached the counting subscriber, on both sides.
+    for row in zmq_result["rows"]:
+        got, sent = row["note"].split("subscriber got ")[1].split(" ")[0].split("/")
+        assert got == sent, row
+    assert {r["case"] for r in sinks_result["rows"]} == {"file", "unix", "zmq"}
+    assert all(r["events_per_s"] > 0 and r["mb_per_s"] > 0 for r in sinks_result["rows"])
+
+
+def test_render_and_svg_plot_without_matplotlib(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    report = {
+        "quick": True,
+        "machine": {"cpus": 2, "python": "3.11"},
+        "results": [
+            {
+                "name": "efficiency",
+                "title": "Pipeline efficiency",
+                "rows": [
+                    {
+                        "case": "pipeline",
+                        "param": "64/tick",
+                        "events_per_s": 1000.0,
+                        "ratio": 0.9,
+                        "baseline": "codec",
+                    }
+                ],
+                "targets": [
+                    {
+                        "target": "t",
+                        "value": 0.9,
+                        "op": ">=",
+                        "limit": 0.85,
+                        "unit": "",
+                        "met": True,
+                    }
+                ],
+                "data": {
+                    "series": {
+                        "codec alone": [[16, 900.0], [64, 1000.0]],
+                        "null sink": [[16, 800.0], [64, 950.0]],
+                    }
+                },
+            },
+            {
+                "name": "index",
+                "title": "Index",
+                "skipped": "not available",
+                "rows": [],
+                "targets": [],
+            },
+        ],
+        "targets": [
+            {"target": "t", "value": 0.9, "op": ">=", "limit": 0.85, "unit": "", "met": True}
+        ],
+    }
+    text = render_text(report)
+    assert "0.90x" in text
+    assert "[MET ]" in text
+    assert "not available" in text
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails: SVG fallback
+    written = plot_series(report, str(tmp_path / "plot.png"))
+    assert written.endswith(".svg")
+    svg = Path(written).read_text()
+    assert svg.startswith("<svg")
+    assert "polyline" in svg
+    assert "codec alone" in svg
+
+
+def test_every_benchmark_is_listed() -> None:
+    assert list(BENCHMARKS) == [
+        "event",
+        "efficiency",
+        "host",
+        "scaling",
+        "zmq",
+        "memory",
+        "sinks",
+        "index",
+    ]
+
+
+@pytest.mark.parametrize("script", ["bench_events.py"])
+def test_scripts_emit_json(script: str, tmp_path: Path) -> None:
+    """The scripts in benchmarks/ run and write a report (the quickest one, at --quick)."""
+    out = tmp_path / "out.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / script),
+            "--quick",
+            "--runs",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    _check_report(_load(out), ["event"])

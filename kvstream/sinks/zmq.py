@@ -55,7 +55,6 @@ from kvstream.sinks.base import Sink
 from kvstream.sinks.replay_ring import ReplayRing
 from kvstream.wire.vllm_zmq import (
     DEFAULT_BUFFER_STEPS,
-    DEFAULT_ENDPOINT,
     DEFAULT_HWM,
     REPLAY_LAYOUTS,
     KVEventsConfig,
@@ -146,11 +145,16 @@ class _Reply:
         self.stalled_since: float | None = None
 
 
+LOOPBACK_ENDPOINT: Final = "tcp://127.0.0.1:5557"
+
+
 class ZmqSink(Sink):
     """Publish batches on vLLM's ZMQ wire, with a replay ROUTER.
 
     ``endpoint``: a ZMQ endpoint (``tcp://*:5557``, ``tcp://10.0.0.5:5557``,
-    ``ipc:///run/kv.sock``); ``bind`` overrides vLLM's bind-or-connect rule.
+    ``ipc:///run/kv.sock``); ``bind`` overrides vLLM's bind-or-connect rule. With
+    no endpoint the sink binds ``tcp://127.0.0.1:5557`` (loopback only; ZMQ has no
+    token vLLM's consumers could send, so exposing the stream is an explicit choice).
     ``replay_endpoint``: where replay requests are served (always bound); None
     disables replay (no ring is kept). ``topic``: the topic frame, ``{origin}``
     replaced by the batch's origin; ``model``: llm-d's ``kv@<origin>@<model>``
@@ -166,7 +170,7 @@ class ZmqSink(Sink):
 
     def __init__(
         self,
-        endpoint: str = DEFAULT_ENDPOINT,
+        endpoint: str | None = None,
         *,
         replay_endpoint: str | None = None,
         topic: str = "",
@@ -182,6 +186,12 @@ class ZmqSink(Sink):
         linger: float = 1.0,
         **options: Any,
     ) -> None:
+        if endpoint is None:
+            # Secure by default: bound on loopback only. vLLM's own default
+            # (tcp://*:5557, every interface) must be asked for by name.
+            endpoint = LOOPBACK_ENDPOINT
+            if bind is None:
+                bind = True
         endpoint = normalize_endpoint(endpoint, "ZmqSink: endpoint")
         if replay_endpoint is not None:
             replay_endpoint = normalize_endpoint(replay_endpoint, "ZmqSink: replay_endpoint")

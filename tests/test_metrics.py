@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -355,3 +356,74 @@ def test_statistics_record_shape_is_known() -> None:
     assert set(SinkStatistics._fields) - {"name", "policy"} == set(SINK_FIELDS)
     batch = EventBatch(seq=0, ts=1.0, events=[stored(1)], origin="o", epoch="e")
     assert batch.seq == 0
+
+
+async def _scrape_subprocess_until(
+    command: list[str], metric: str, target: float
+) -> dict[Any, float]:
+    """Run a CLI command with --metrics, scrape until ``metric`` reaches ``target``."""
+    async with await anyio.open_process(command, stdout=subprocess.DEVNULL) as proc:
+        pipe = proc.stderr
+        assert pipe is not None
+        reader = BufferedByteReceiveStream(pipe)
+        try:
+            port = None
+            with anyio.fail_after(30):
+                while port is None:
+                    line = (await reader.receive_until(b"\n", 65536)).decode()
+                    m = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", line)
+                    port = int(m.group(1)) if m else None
+            with anyio.fail_after(30):
+                while True:
+                    status, body = await http_get(port)
+                    assert status == 200
+                    found = samples(body)
+                    if any(k[0] == metric and v >= target for k, v in found.items()):
+                        return found
+                    await anyio.sleep(0.05)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            with anyio.move_on_after(20):
+                await proc.wait()
+            if proc.returncode is None:
+                proc.kill()
+
+
+async def test_tail_and_index_serve_metrics(tmp_path: Path) -> None:
+    out = tmp_path / "demo.jsonl"
+    demo = [sys.executable, "-m", "kvstream", "demo", "--steps", "30", "--rate", "0",
+            "--sink", f"file:{out}"]  # fmt: skip
+    proc = await anyio.run_process(demo)
+    assert proc.returncode == 0
+    found = await _scrape_subprocess_until(
+        [
+            sys.executable,
+            "-m",
+            "kvstream",
+            "tail",
+            f"file:{out}",
+            "--format",
+            "json",
+            "--metrics",
+            "127.0.0.1:0",
+        ],  # fmt: skip
+        "kvstream_tail_batches_total",
+        30,
+    )
+    assert value(found, "kvstream_tail_gaps_total", url=f"file:{out}") == 0
+    found = await _scrape_subprocess_until(
+        [
+            sys.executable,
+            "-m",
+            "kvstream",
+            "index",
+            f"file:{out}",
+            "--port",
+            "0",
+            "--metrics",
+            "127.0.0.1:0",
+        ],  # fmt: skip
+        "kvstream_index_batches_total",
+        30,
+    )
+    assert any(k[0] == "kvstream_index_distinct_blocks" and v > 0 for k, v in found.items())

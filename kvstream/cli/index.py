@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 
+from kvstream.cli.longrun import add_metrics_option, open_metrics
 from kvstream.config import open_subscriber, parse_url
 from kvstream.consumers.base import Gap
 from kvstream.errors import ConfigError
@@ -65,6 +66,7 @@ def register(sub: Any) -> None:
     p.add_argument("--engines", type=int, default=4, help="demo: simulated engines (4)")
     p.add_argument("--requests", type=int, default=2000, help="demo: requests routed (2000)")
     p.add_argument("--gpu-blocks", type=int, default=1024, help="demo: GPU blocks per engine")
+    add_metrics_option(p)
     p.set_defaults(func=run)
 
 
@@ -85,12 +87,15 @@ async def run(args: argparse.Namespace) -> int:
     subscriber = open_subscriber(args.url, **kwargs)
     stopped_by: str | None = None
     async with (
+        open_metrics(args.metrics, command="index") as metrics,
         subscriber,
         QueryServer(
             index, host=args.host, port=args.port, max_request_bytes=args.max_request_bytes
         ) as server,
         anyio.create_task_group() as tg,
     ):
+        if metrics is not None:
+            metrics.collector.add(index, kind="index")
         print(
             f"kvstream index: following {args.url}; serving {server.url}/ "
             "(POST /match, GET /stats)",

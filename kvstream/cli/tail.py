@@ -15,11 +15,12 @@ import os
 import signal
 import sys
 import time
-from typing import IO, Any, Final
+from typing import IO, Any, Final, NamedTuple
 
 import anyio
 import orjson
 
+from kvstream.cli.longrun import add_metrics_option, open_metrics
 from kvstream.codecs.json import JsonCodec
 from kvstream.config import parse_url, subscribe
 from kvstream.consumers.base import Gap
@@ -92,6 +93,7 @@ def register(sub: Any) -> None:
         action="store_true",
         help="for a file: print what it holds and exit instead of following it",
     )
+    add_metrics_option(p)
     p.set_defaults(func=run)
 
 
@@ -202,6 +204,31 @@ def _hex(value: Any) -> Any:
     raise TypeError(f"cannot encode {type(value).__name__} as JSON")
 
 
+class TailStatistics(NamedTuple):
+    batches: int
+    events: int
+    gaps: int
+    missing_batches: int
+
+
+class _TailCounters:
+    """What ``kvstream tail`` has seen, for ``--metrics``."""
+
+    def __init__(self) -> None:
+        self.batches = self.events = self.gaps = self.missing = 0
+
+    def count(self, item: EventBatch | Gap) -> None:
+        if isinstance(item, Gap):
+            self.gaps += 1
+            self.missing += item.missing
+        else:
+            self.batches += 1
+            self.events += len(item.events)
+
+    def statistics(self) -> TailStatistics:
+        return TailStatistics(self.batches, self.events, self.gaps, self.missing)
+
+
 async def run(args: argparse.Namespace) -> int:
     if args.from_seq is not None and args.from_seq < 0:
         raise ConfigError(f"--from-seq: expected >= 0, got {args.from_seq}")
@@ -216,7 +243,13 @@ async def run(args: argparse.Namespace) -> int:
     warn_color = _use_color(args.color, err)
     sub = subscribe(args.url, from_seq=args.from_seq, **kwargs)
     printed = 0
-    async with anyio.create_task_group() as tg:
+    counters = _TailCounters()
+    async with (
+        open_metrics(args.metrics, command="tail") as metrics,
+        anyio.create_task_group() as tg,
+    ):
+        if metrics is not None:
+            metrics.collector.add(counters, kind="tail", labels={"url": args.url})
 
         async def stop_on_signal() -> None:
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -228,6 +261,7 @@ async def run(args: argparse.Namespace) -> int:
         try:
             async with sub:
                 async for item in sub:
+                    counters.count(item)
                     if isinstance(item, Gap):
                         text = printer.gap(item)
                         err.write(f"{_COLORS['warn']}{text}{_RESET}" if warn_color else text)

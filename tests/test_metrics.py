@@ -406,7 +406,7 @@ async def test_tail_and_index_serve_metrics(tmp_path: Path) -> None:
             "json",
             "--metrics",
             "127.0.0.1:0",
-        ],  # fmt: skip
+        ],
         "kvstream_tail_batches_total",
         30,
     )
@@ -422,7 +422,7 @@ async def test_tail_and_index_serve_metrics(tmp_path: Path) -> None:
             "0",
             "--metrics",
             "127.0.0.1:0",
-        ],  # fmt: skip
+        ],
         "kvstream_index_batches_total",
         30,
     )

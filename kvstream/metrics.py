@@ -39,6 +39,7 @@ from anyio.abc import SocketAttribute, SocketStream, TaskGroup
 from kvstream.errors import ConfigError, MissingDependencyError, TransportError
 from kvstream.scheduler import Scheduler
 from kvstream.sinks.base import Sink
+from kvstream.wire.socket_security import bearer_authorized, check_listen_address
 
 try:
     from prometheus_client.core import (
@@ -450,7 +451,13 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 _MAX_HEAD: Final = 16 * 1024
-_REASONS: Final = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed"}
+_REASONS: Final = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+}
 
 
 class MetricsServer:
@@ -467,8 +474,13 @@ class MetricsServer:
         address: str = "127.0.0.1:9464",
         *,
         process_metrics: bool = True,
+        token: str | None = None,
     ) -> None:
         self.host, self.requested_port = parse_address(address)
+        check_listen_address(
+            self.host, token, "metrics", "--metrics-token-env NAME or --metrics-token-file PATH"
+        )
+        self._token = token
         self.collector = collector
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(collector)
@@ -563,10 +575,17 @@ class MetricsServer:
             await _reply(stream, 404, b"not found: try /metrics\n")
             return
         accept = ""
+        authorization = None
         for line in lines[1:]:
             name, _, value = line.partition(":")
-            if name.strip().lower() == "accept":
+            key = name.strip().lower()
+            if key == "accept":
                 accept = value.strip()
+            elif key == "authorization":
+                authorization = value.strip()
+        if not bearer_authorized(authorization, self._token):
+            await _reply(stream, 401, b"missing or wrong bearer token\n")
+            return
         encoder, content_type = choose_encoder(accept)
         body = encoder(self.registry)
         self.scrapes += 1

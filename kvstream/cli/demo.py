@@ -18,7 +18,7 @@ import anyio
 import anyio.lowlevel
 
 from kvstream.cli.kv_events import add_kv_events_config_option, zmq_sink_from_kv_events_config
-from kvstream.cli.longrun import Progress, add_metrics_option, open_metrics
+from kvstream.cli.longrun import Progress, add_metrics_option, metrics_token, open_metrics
 from kvstream.config import open_sink
 from kvstream.errors import ConfigError
 from kvstream.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
@@ -141,7 +141,7 @@ async def run(args: argparse.Namespace) -> int:
 
     progress = Progress("demo", progress_line)
     async with (
-        open_metrics(args.metrics, command="demo") as metrics,
+        open_metrics(args.metrics, command="demo", token=metrics_token(args)) as metrics,
         Scheduler(sinks=sinks, origin=args.origin) as scheduler,
     ):
         if metrics is not None:

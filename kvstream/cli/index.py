@@ -19,13 +19,14 @@ from typing import Any
 
 import anyio
 
-from kvstream.cli.longrun import add_metrics_option, open_metrics
+from kvstream.cli.longrun import add_metrics_option, metrics_token, open_metrics
 from kvstream.config import open_subscriber, parse_url
 from kvstream.consumers.base import Gap
 from kvstream.errors import ConfigError
 from kvstream.index.demo import RoutingResult, compare_routing
 from kvstream.index.http import QueryServer
 from kvstream.index.prefix import PrefixIndex
+from kvstream.wire.socket_security import read_token
 
 __all__ = ["register", "run"]
 
@@ -61,6 +62,16 @@ def register(sub: Any) -> None:
         default=4 * 1024 * 1024,
         help="largest request body accepted (4194304)",
     )
+    p.add_argument(
+        "--token-env",
+        metavar="NAME",
+        default=None,
+        help="environment variable holding a bearer token queries must send "
+        "(required to listen beyond loopback)",
+    )
+    p.add_argument(
+        "--token-file", metavar="PATH", default=None, help="file holding that bearer token"
+    )
     p.add_argument("--seed", type=int, default=0, help="the index's hash seed; the demo's too (0)")
     p.add_argument("--demo", action="store_true", help="compare index and random routing")
     p.add_argument("--engines", type=int, default=4, help="demo: simulated engines (4)")
@@ -87,10 +98,14 @@ async def run(args: argparse.Namespace) -> int:
     subscriber = open_subscriber(args.url, **kwargs)
     stopped_by: str | None = None
     async with (
-        open_metrics(args.metrics, command="index") as metrics,
+        open_metrics(args.metrics, command="index", token=metrics_token(args)) as metrics,
         subscriber,
         QueryServer(
-            index, host=args.host, port=args.port, max_request_bytes=args.max_request_bytes
+            index,
+            host=args.host,
+            port=args.port,
+            max_request_bytes=args.max_request_bytes,
+            token=read_token(env=args.token_env, file=args.token_file, where="kvstream index"),
         ) as server,
         anyio.create_task_group() as tg,
     ):

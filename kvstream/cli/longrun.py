@@ -36,10 +36,12 @@ from typing import TYPE_CHECKING, TextIO
 
 import anyio
 
+from kvstream.wire.socket_security import read_token
+
 if TYPE_CHECKING:
     from kvstream.metrics import MetricsServer
 
-__all__ = ["Progress", "add_metrics_option", "open_metrics"]
+__all__ = ["Progress", "add_metrics_option", "metrics_token", "open_metrics"]
 
 
 def add_metrics_option(parser: argparse.ArgumentParser) -> None:
@@ -51,11 +53,33 @@ def add_metrics_option(parser: argparse.ArgumentParser) -> None:
         help="serve Prometheus metrics at http://ADDR/metrics while running, "
         "e.g. 127.0.0.1:9464 or :0 (needs kvstream[metrics])",
     )
+    parser.add_argument(
+        "--metrics-token-env",
+        metavar="NAME",
+        default=None,
+        help="environment variable holding a bearer token scrapers must send "
+        "(required to serve metrics beyond loopback)",
+    )
+    parser.add_argument(
+        "--metrics-token-file",
+        metavar="PATH",
+        default=None,
+        help="file holding that bearer token (instead of --metrics-token-env)",
+    )
+
+
+def metrics_token(args: argparse.Namespace) -> str | None:
+    """The bearer token ``--metrics-token-env`` / ``--metrics-token-file`` name, or None."""
+    return read_token(
+        env=getattr(args, "metrics_token_env", None),
+        file=getattr(args, "metrics_token_file", None),
+        where="--metrics",
+    )
 
 
 @asynccontextmanager
 async def open_metrics(
-    address: str | None, *targets: object, command: str
+    address: str | None, *targets: object, command: str, token: str | None = None
 ) -> AsyncIterator[MetricsServer | None]:
     """Serve the targets' statistics at ``address`` (yields None when it is None).
 
@@ -67,7 +91,7 @@ async def open_metrics(
         return
     from kvstream.metrics import MetricsServer, StatisticsCollector
 
-    async with MetricsServer(StatisticsCollector(*targets), address) as server:
+    async with MetricsServer(StatisticsCollector(*targets), address, token=token) as server:
         print(f"kvstream {command}: metrics on {server.url}", file=sys.stderr, flush=True)
         yield server
 

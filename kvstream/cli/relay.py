@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 
 from kvstream.cli.kv_events import add_kv_events_config_option, zmq_sink_from_kv_events_config
-from kvstream.cli.longrun import Progress, add_metrics_option, open_metrics
+from kvstream.cli.longrun import Progress, add_metrics_option, metrics_token, open_metrics
 from kvstream.config import open_sink, open_subscriber
 from kvstream.errors import ConfigError
 from kvstream.relay import Relay
@@ -136,7 +136,7 @@ async def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     origin = args.origin or f"relay@{socket.gethostname()}"
     async with (
-        open_metrics(args.metrics, command="relay") as metrics,
+        open_metrics(args.metrics, command="relay", token=metrics_token(args)) as metrics,
         AsyncExitStack() as stack,
     ):
         for sub in subscribers:

@@ -20,7 +20,7 @@ from typing import IO, Any, Final, NamedTuple
 import anyio
 import orjson
 
-from kvstream.cli.longrun import add_metrics_option, open_metrics
+from kvstream.cli.longrun import add_metrics_option, metrics_token, open_metrics
 from kvstream.codecs.json import JsonCodec
 from kvstream.config import parse_url, subscribe
 from kvstream.consumers.base import Gap
@@ -245,7 +245,7 @@ async def run(args: argparse.Namespace) -> int:
     printed = 0
     counters = _TailCounters()
     async with (
-        open_metrics(args.metrics, command="tail") as metrics,
+        open_metrics(args.metrics, command="tail", token=metrics_token(args)) as metrics,
         anyio.create_task_group() as tg,
     ):
         if metrics is not None:

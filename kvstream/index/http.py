@@ -29,6 +29,7 @@ from anyio.abc import Listener, SocketAttribute, SocketStream, TaskGroup
 
 from kvstream.errors import ClosedError, ConfigError, TransportError
 from kvstream.index.prefix import PrefixIndex
+from kvstream.wire.socket_security import bearer_authorized, check_listen_address
 
 __all__ = ["QueryServer"]
 
@@ -36,6 +37,7 @@ log = logging.getLogger("kvstream.index")
 
 MAX_HEAD_BYTES: Final = 16 * 1024
 _REASONS: Final = {
+    401: "Unauthorized",
     200: "OK",
     400: "Bad Request",
     404: "Not Found",
@@ -89,7 +91,9 @@ class QueryServer:
         max_request_bytes: int = 4 * 1024 * 1024,
         max_connections: int = 64,
         idle_timeout: float = 30.0,
+        token: str | None = None,
     ) -> None:
+        check_listen_address(host, token, "kvstream index")
         if type(max_request_bytes) is not int or max_request_bytes <= 0:
             raise ConfigError(
                 f"max_request_bytes: expected a positive int, got {max_request_bytes!r}"
@@ -101,6 +105,7 @@ class QueryServer:
         self.max_request_bytes = max_request_bytes
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
+        self._token = token
         self.requests = 0
         self.errors = 0
         self._port = port
@@ -273,6 +278,8 @@ class QueryServer:
                 raise _HttpError(400, "connection closed mid-body", close=True) from None
         body = bytes(buffer[:length])
         del buffer[:length]
+        if not bearer_authorized(headers.get("authorization"), self._token):
+            raise _HttpError(401, "missing or wrong bearer token", close=True)
         return _Request(method, target, body, close)
 
     async def _send(

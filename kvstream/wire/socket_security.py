@@ -1,4 +1,4 @@
-"""Tokens, TLS and bind checks for the socket sink and its subscriber.
+"""Tokens, TLS and bind checks for kvstream's listeners (socket sink, HTTP servers).
 
 Secure by default:
 
@@ -12,6 +12,7 @@ Secure by default:
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import logging
 import os
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from kvstream.config import Options
 
 __all__ = [
+    "bearer_authorized",
+    "check_listen_address",
     "client_ssl_context",
     "is_loopback",
     "read_token",
@@ -43,6 +46,30 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False  # a host name: it may resolve to anything
+
+
+def check_listen_address(
+    host: str, token: str | None, where: str, how: str = "--token-env NAME or --token-file PATH"
+) -> None:
+    """Refuse to listen beyond loopback without a token (every kvstream listener)."""
+    if token is None and not is_loopback(host):
+        raise ConfigError(
+            f"{where}: listening on {host} (not loopback) needs a token: "
+            f"set {how} (or listen on 127.0.0.1)"
+        )
+
+
+def bearer_authorized(authorization: str | None, token: str | None) -> bool:
+    """Does an HTTP ``Authorization`` header carry ``Bearer <token>``? Constant time.
+
+    Always True when no token is set (a loopback-only listener).
+    """
+    if token is None:
+        return True
+    scheme, _, credential = (authorization or "").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        credential.strip().encode("utf-8"), token.encode("utf-8")
+    )
 
 
 def read_token(*, env: str | None, file: str | None, where: str) -> str | None:

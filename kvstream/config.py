@@ -235,10 +235,12 @@ def _load(
     module_name, _, func = target.partition(":")
     try:
         module = importlib.import_module(module_name)
+    except MissingDependencyError:
+        raise  # the module already named the package and the extra
     except ImportError as exc:
         if extra is None:
             raise
-        raise MissingDependencyError.for_extra(module_name, extra, exc) from exc
+        raise MissingDependencyError.for_extra(exc.name or module_name, extra, exc) from exc
     return getattr(module, func)  # type: ignore[no-any-return]
 
 

@@ -240,13 +240,13 @@ async def bench_sinks(
                 else:
                     setups[name] = _socket_case(name, folder, probe)
             elif name == "zmq":
-                why = _module_missing("kvstream.sinks.zmq")
+                why = _module_missing("zmq")  # pyzmq, the extra kvstream[zmq]
                 if why:
                     missing[name] = why
                 else:
                     setups[name] = _zmq_case(probe)
             elif name in ("nats", "redis"):
-                why = _module_missing(f"kvstream.sinks.{name}")
+                why = _module_missing(name)  # nats-py / redis, the extras of the same name
                 server = BrokerServer(name)
                 if not why and not server.available:
                     why = f"not available ({name} server binary not in PATH)"

@@ -23,12 +23,14 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Self, TypeVar
 
 import anyio
 import anyio.abc
@@ -281,19 +283,20 @@ async def wait_until(predicate: Callable[[], bool], timeout: float = 20.0) -> No
 # -- fixtures ------------------------------------------------------------------------
 
 
+ServerT = TypeVar("ServerT", "NatsServer", "RedisServer")
+
+
 def _short_tmp() -> Path:
     return Path(tempfile.mkdtemp(prefix="kvs-", dir="/tmp"))
 
 
-@pytest.fixture
-def nats_servers() -> Iterator[Callable[..., NatsServer]]:
-    """A factory: ``nats_servers(jetstream=False, config=...)`` starts one more server."""
-    binary = require_binary("nats-server", "nats-server")
-    started: list[tuple[NatsServer, Path]] = []
+def _server_factory(kind: type[ServerT], binary: str) -> Iterator[Callable[..., ServerT]]:
+    """Start servers of ``kind`` on demand, each in a short temporary folder; stop them all."""
+    started: list[tuple[ServerT, Path]] = []
 
-    def make(**kwargs: object) -> NatsServer:
+    def make(**kwargs: object) -> ServerT:
         folder = _short_tmp()
-        server = NatsServer(binary, folder, **kwargs)  # type: ignore[arg-type]
+        server = kind(binary, folder, **kwargs)  # type: ignore[arg-type]
         started.append((server, folder))
         server.start()
         return server
@@ -302,6 +305,12 @@ def nats_servers() -> Iterator[Callable[..., NatsServer]]:
     for server, folder in started:
         server.stop()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def nats_servers() -> Iterator[Callable[..., NatsServer]]:
+    """A factory: ``nats_servers(jetstream=False, config=...)`` starts one more server."""
+    yield from _server_factory(NatsServer, require_binary("nats-server", "nats-server"))
 
 
 @pytest.fixture
@@ -313,20 +322,7 @@ def nats_server(nats_servers: Callable[..., NatsServer]) -> NatsServer:
 @pytest.fixture
 def redis_servers() -> Iterator[Callable[..., RedisServer]]:
     """A factory: ``redis_servers(password=...)`` starts one more server."""
-    binary = require_binary("redis-server", "redis-server")
-    started: list[tuple[RedisServer, Path]] = []
-
-    def make(**kwargs: object) -> RedisServer:
-        folder = _short_tmp()
-        server = RedisServer(binary, folder, **kwargs)  # type: ignore[arg-type]
-        started.append((server, folder))
-        server.start()
-        return server
-
-    yield make
-    for server, folder in started:
-        server.stop()
-        shutil.rmtree(folder, ignore_errors=True)
+    yield from _server_factory(RedisServer, require_binary("redis-server", "redis-server"))
 
 
 @pytest.fixture
@@ -413,3 +409,32 @@ class CuttingProxy:
 
                 tg.start_soon(up)
                 tg.start_soon(down)
+
+
+_READ_BACK = textwrap.dedent(
+    """
+    import sys, anyio
+    from kvstream.config import open_subscriber
+    from kvstream.events import EventBatch
+
+    async def main():
+        async with open_subscriber(sys.argv[1], follow=False, from_seq=0) as sub:
+            async for item in sub:
+                kind = "batch" if isinstance(item, EventBatch) else "gap"
+                print(kind, item.origin, item.epoch, getattr(item, "seq", -1), flush=True)
+
+    anyio.run(main)
+    """
+)
+
+
+async def read_back_in_another_process(url: str) -> list[list[str]]:
+    """Read a stream from its start in a second Python process (as a router would).
+
+    Returns one ``[kind, origin, epoch, seq]`` row per item, ``kind`` being
+    ``batch`` or ``gap``. Fails the test when the process does not exit cleanly.
+    """
+    result = await anyio.run_process([sys.executable, "-c", _READ_BACK, url], check=False)
+    assert result.returncode == 0, result.stderr.decode()
+    words = result.stdout.decode().split()
+    return [words[i : i + 4] for i in range(0, len(words), 4)]

@@ -8,6 +8,7 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import batches
 
 from kvstream import (
     AllBlocksCleared,
@@ -151,74 +152,6 @@ def test_decoders_accept_both_modes_and_every_buffer_type() -> None:
 
 
 # -- hypothesis round trip ------------------------------------------------------------------
-
-hashes = st.one_of(st.integers(I64_MIN, U64 - 1), st.binary(max_size=33))
-scalars = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(I64_MIN, U64 - 1),
-    st.floats(allow_nan=False, allow_infinity=False),
-    st.text(max_size=8),
-)
-json_values = st.recursive(
-    scalars,
-    lambda inner: (
-        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
-    ),
-    max_leaves=8,
-)
-metadata = st.none() | st.dictionaries(st.text(max_size=8), json_values, max_size=3)
-texts = st.none() | st.text(max_size=6)
-
-
-@st.composite
-def block_stored(draw: st.DrawFn) -> BlockStored:
-    n = draw(st.integers(0, 3))
-    size = draw(st.integers(0, 4))
-    if draw(st.booleans()):
-        tokens = draw(st.lists(st.integers(0, U64 - 1), min_size=n * size, max_size=n * size))
-    else:
-        tokens, size = [], 0
-    extra = st.none() | st.lists(st.one_of(scalars, st.binary(max_size=3)), max_size=3)
-    return BlockStored(
-        block_hashes=draw(st.lists(hashes, min_size=n, max_size=n)),
-        parent_block_hash=draw(st.none() | hashes),
-        token_ids=tokens,
-        block_size=size,
-        lora_id=draw(st.none() | st.integers(I64_MIN, U64 - 1)),
-        medium=draw(texts),
-        lora_name=draw(texts),
-        extra_keys=draw(st.none() | st.lists(extra, min_size=n, max_size=n)),
-        group_idx=draw(st.none() | st.integers(0, U64 - 1)),
-        kv_cache_spec_kind=draw(texts),
-        kv_cache_spec_sliding_window=draw(st.none() | st.integers(0, 2**31)),
-        locality=draw(texts),
-        metadata=draw(metadata),
-    )
-
-
-events = st.one_of(
-    block_stored(),
-    st.builds(
-        BlockRemoved,
-        block_hashes=st.lists(hashes, max_size=4),
-        medium=texts,
-        group_idx=st.none() | st.integers(0, 9),
-        locality=texts,
-        metadata=metadata,
-    ),
-    st.builds(AllBlocksCleared, metadata=metadata),
-)
-
-batches = st.builds(
-    EventBatch,
-    seq=st.integers(0, U64 - 1),
-    ts=st.floats(allow_nan=False, allow_infinity=False),
-    events=st.lists(events, max_size=5),
-    data_parallel_rank=st.none() | st.integers(0, 2**31),
-    origin=st.text(max_size=10),
-    epoch=st.text(max_size=10),
-)
 
 
 @settings(max_examples=200)

@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import os
 import sys
-import textwrap
 from collections.abc import Callable
 
 import anyio
 import pytest
-from servers import CuttingProxy, NatsServer, free_port, nats_server, nats_servers, wait_until
+from servers import (
+    CuttingProxy,
+    NatsServer,
+    free_port,
+    nats_server,
+    nats_servers,
+    read_back_in_another_process,
+    wait_until,
+)
 
 from kvstream.codecs.json import JsonCodec
 from kvstream.config import open_sink, open_subscriber
@@ -291,27 +298,7 @@ async def test_restart_mid_stream_loses_nothing_and_another_process_reads_in_ord
     assert seqs(live) == list(range(total))
     assert sub.reconnects >= 1  # the subscriber lived through the restart too
 
-    script = textwrap.dedent(
-        """
-        import sys, anyio
-        from kvstream.config import open_subscriber
-        from kvstream.events import EventBatch
-
-        async def main():
-            async with open_subscriber(sys.argv[1], follow=False, from_seq=0) as sub:
-                async for item in sub:
-                    kind = "batch" if isinstance(item, EventBatch) else "gap"
-                    print(kind, item.origin, item.epoch, getattr(item, "seq", -1), flush=True)
-
-        anyio.run(main)
-        """
-    )
-    result = await anyio.run_process(
-        [sys.executable, "-c", script, f"{nats_server.url}/kv.events.engine-0"], check=False
-    )
-    assert result.returncode == 0, result.stderr.decode()
-    lines = result.stdout.decode().split()
-    rows = [lines[i : i + 4] for i in range(0, len(lines), 4)]
+    rows = await read_back_in_another_process(f"{nats_server.url}/kv.events.engine-0")
     assert {r[0] for r in rows} == {"batch"}
     assert {(r[1], r[2]) for r in rows} == {("engine-0", sched.epoch)}
     assert [int(r[3]) for r in rows] == list(range(total))

@@ -1,7 +1,7 @@
 """``kvstream relay``: a vLLM-style publisher's stream, gaps repaired by replay, into a file.
 
 The publisher is written here from WIRE.md with plain pyzmq (a PUB and a ROUTER
-replay in a thread) and msgspec structs declared in this file; the relay runs
+replay in a thread) and msgspec structs declared in tests/vllm_wire.py; the relay runs
 as a real subprocess, so SIGTERM is a real signal.
 """
 
@@ -22,60 +22,18 @@ from typing import Any
 
 import msgspec
 import pytest
+import vllm_wire as vllm
 import zmq
 
 from kvstream.cli.main import main
 from kvstream.codecs.json import JsonCodec
-from kvstream.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVCacheEvent
+from kvstream.events import AllBlocksCleared, BlockRemoved, EventBatch, KVCacheEvent
 from kvstream.sim import SimulatedEngine, check_consistency
 
 END = b"\xff" * 8
 
 
-# -- vLLM's map-profile structs, from WIRE.md ---------------------------------------------------
-
-
-class VStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[list[Any] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-
-
-class VRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True):
-    block_hashes: list[int | bytes]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-
-
-class VCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", omit_defaults=True):
-    pass
-
-
-class VBatch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[VStored | VRemoved | VCleared]
-    data_parallel_rank: int | None
-
-
-def to_vllm(event: KVCacheEvent) -> VStored | VRemoved | VCleared:
-    if isinstance(event, BlockStored):
-        fields = msgspec.structs.asdict(event)
-        del fields["metadata"]
-        return VStored(**fields)
-    if isinstance(event, BlockRemoved):
-        return VRemoved(event.block_hashes, event.medium, event.group_idx, event.locality)
-    assert isinstance(event, AllBlocksCleared)
-    return VCleared()
+# -- vLLM's map-profile structs: tests/vllm_wire.py, declared from WIRE.md -------------------
 
 
 class VllmStylePublisher(threading.Thread):
@@ -94,7 +52,7 @@ class VllmStylePublisher(threading.Thread):
 
     def publish(self, seq: int, events: list[KVCacheEvent], *, live: bool = True) -> None:
         payload = msgspec.msgpack.encode(
-            VBatch(1767225600.0 + seq, [to_vllm(e) for e in events], 0)
+            vllm.KVEventBatch(1767225600.0 + seq, [vllm.to_vllm(e) for e in events], 0)
         )
         self.commands.put((seq, payload, live))
 

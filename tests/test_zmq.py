@@ -1,6 +1,6 @@
 """vLLM's ZMQ wire: the sink against consumers written from WIRE.md, and the ZMQ ingest.
 
-The consumers here are plain pyzmq plus msgspec structs declared in this file
+The consumers here are plain pyzmq plus msgspec structs declared (in tests/vllm_wire.py)
 from ../shared/WIRE.md, not kvstream's own decoder, so a test passes only if
 kvstream's bytes are what a vLLM consumer expects.
 """
@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 import msgspec
 import pytest
+import vllm_wire as vllm
 import zmq
 import zmq.asyncio
 
@@ -26,7 +27,7 @@ from kvstream.config import open_sink, open_subscriber
 from kvstream.consumers.base import Gap
 from kvstream.consumers.zmq import PublisherStream, ZmqPublisher, ZmqSubscriber
 from kvstream.errors import ConfigError, DecodeError
-from kvstream.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVCacheEvent
+from kvstream.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvstream.publisher import EventPublisher
 from kvstream.scheduler import Scheduler
 from kvstream.sinks.zmq import ZmqSink
@@ -35,57 +36,10 @@ from kvstream.wire import vllm_zmq as wire
 END = b"\xff" * 8
 
 
-# -- vLLM's structs, declared here from WIRE.md (independent of kvstream) ---------------------
+# -- vLLM's structs, declared in tests/vllm_wire.py from WIRE.md (independent of kvstream) -----
 
-
-class vllm:  # a namespace named like the module these mirror
-    class BlockStored(
-        msgspec.Struct, tag="BlockStored", tag_field="type", forbid_unknown_fields=True
-    ):
-        block_hashes: list[int | bytes]
-        parent_block_hash: int | bytes | None
-        token_ids: list[int]
-        block_size: int
-        lora_id: int | None
-        medium: str | None
-        lora_name: str | None
-        extra_keys: list[list[Any] | None] | None = None
-        group_idx: int | None = None
-        kv_cache_spec_kind: str | None = None
-        kv_cache_spec_sliding_window: int | None = None
-        locality: str | None = None
-
-    class BlockRemoved(
-        msgspec.Struct, tag="BlockRemoved", tag_field="type", forbid_unknown_fields=True
-    ):
-        block_hashes: list[int | bytes]
-        medium: str | None
-        group_idx: int | None = None
-        locality: str | None = None
-
-    class AllBlocksCleared(
-        msgspec.Struct, tag="AllBlocksCleared", tag_field="type", forbid_unknown_fields=True
-    ):
-        pass
-
-    class KVEventBatch(msgspec.Struct, array_like=True):
-        ts: float
-        events: list[vllm.BlockStored | vllm.BlockRemoved | vllm.AllBlocksCleared]
-        data_parallel_rank: int | None
-
-
-_vllm_decoder = msgspec.msgpack.Decoder(vllm.KVEventBatch)
-
-
-def as_vllm(event: KVCacheEvent) -> Any:
-    """What a vLLM consumer should read for a kvstream event."""
-    if isinstance(event, BlockStored):
-        fields = msgspec.structs.asdict(event)
-        fields.pop("metadata")
-        return vllm.BlockStored(**fields)
-    if isinstance(event, BlockRemoved):
-        return vllm.BlockRemoved(event.block_hashes, event.medium, event.group_idx, event.locality)
-    return vllm.AllBlocksCleared()
+_vllm_decoder = vllm.decoder
+as_vllm = vllm.to_vllm
 
 
 def stored(i: int, blocks: int = 1, *, medium: str = "GPU", size: int = 4) -> BlockStored:

@@ -71,8 +71,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from collections.abc import Mapping
-from typing import Any, Final, NamedTuple, TypeAlias
+from collections.abc import Callable, Mapping
+from typing import Any, Final, NamedTuple, TypeAlias, TypeVar
 
 import msgspec
 import orjson
@@ -110,6 +110,8 @@ __all__ = [
     "token_matches",
     "welcome_line",
 ]
+
+_V = TypeVar("_V")
 
 #: The version this module speaks. A hello naming a higher one is refused.
 PROTOCOL_VERSION: Final = 1
@@ -198,6 +200,20 @@ def _check_name(value: object, where: str) -> str:
     return value
 
 
+def _per_origin(raw: Any, field: str, check: Callable[[Any, str], _V]) -> _V | dict[str, _V] | None:
+    """A hello field given once for every origin, or as ``{origin: value}``."""
+    if raw is None:
+        return None
+    if type(raw) is not dict:
+        return check(raw, field)
+    if len(raw) > _MAX_ORIGINS_IN_HELLO:
+        raise ProtocolError(
+            f"hello.{field}: expected at most {_MAX_ORIGINS_IN_HELLO} origins, got {len(raw)}",
+            "bad_hello",
+        )
+    return {_check_name(k, f"{field} key"): check(v, f"{field}[{k!r:.40}]") for k, v in raw.items()}
+
+
 def _check_seq(value: object, where: str) -> int:
     if type(value) is not int or not 0 <= value < _SEQ_LIMIT:
         raise ProtocolError(
@@ -235,40 +251,8 @@ def parse_hello(line: bytes) -> Hello:
         raise ProtocolError(
             f"hello.version: this sink speaks version {PROTOCOL_VERSION}, got {version}", "version"
         )
-    raw_from = obj.get("from_seq")
-    from_seq: int | dict[str, int] | None
-    if raw_from is None:
-        from_seq = None
-    elif type(raw_from) is dict:
-        if len(raw_from) > _MAX_ORIGINS_IN_HELLO:
-            raise ProtocolError(
-                f"hello.from_seq: expected at most {_MAX_ORIGINS_IN_HELLO} origins, "
-                f"got {len(raw_from)}",
-                "bad_hello",
-            )
-        from_seq = {
-            _check_name(k, "from_seq key"): _check_seq(v, f"from_seq[{k!r:.40}]")
-            for k, v in raw_from.items()
-        }
-    else:
-        from_seq = _check_seq(raw_from, "from_seq")
-    raw_epoch = obj.get("epoch")
-    epoch: str | dict[str, str] | None
-    if raw_epoch is None:
-        epoch = None
-    elif type(raw_epoch) is dict:
-        if len(raw_epoch) > _MAX_ORIGINS_IN_HELLO:
-            raise ProtocolError(
-                f"hello.epoch: expected at most {_MAX_ORIGINS_IN_HELLO} origins, "
-                f"got {len(raw_epoch)}",
-                "bad_hello",
-            )
-        epoch = {
-            _check_name(k, "epoch key"): _check_name(v, f"epoch[{k!r:.40}]")
-            for k, v in raw_epoch.items()
-        }
-    else:
-        epoch = _check_name(raw_epoch, "epoch")
+    from_seq: int | dict[str, int] | None = _per_origin(obj.get("from_seq"), "from_seq", _check_seq)
+    epoch: str | dict[str, str] | None = _per_origin(obj.get("epoch"), "epoch", _check_name)
     token = obj.get("token")
     if token is not None and (type(token) is not str or len(token) > 4096):
         # The value is a secret: never echo it.

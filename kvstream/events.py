@@ -448,7 +448,7 @@ class EventBatch:
         self.data_parallel_rank = data_parallel_rank
         self.origin = origin
         self.epoch = epoch
-        self._encoded: dict[object, bytes] | None = None
+        self._encoded: dict[object, tuple[bytes, tuple[Any, ...]]] | None = None
 
     @classmethod
     def _trusted(

@@ -119,6 +119,7 @@ SINK_FIELDS: Final[Mapping[str, MetricSpec]] = {
     "healthy": _g("healthy", "0 while sending fails and is being retried, else 1."),
     "undelivered_batches": _g("undelivered_batches", "Batches not delivered at close."),
     "undelivered_events": _g("undelivered_events", "Events not delivered at close."),
+    "events_refused": _c("events_refused", "Events a strict codec left out of sent batches."),
 }
 
 # Statistics records count things: an integer field is a counter unless its

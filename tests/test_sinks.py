@@ -17,6 +17,7 @@ import pytest
 from kvstream import (
     AllBlocksCleared,
     BlockRemoved,
+    BlockStored,
     ClosedError,
     ConfigError,
     EventBatch,
@@ -610,3 +611,27 @@ async def test_a_sink_that_never_started_reports_everything_queued() -> None:
 def test_bad_sink_options_are_config_errors(options: dict[str, Any], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         MemorySink(**options)
+
+
+async def test_any_sink_counts_what_a_strict_codec_refuses(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvstream.codecs.msgpack import MsgpackCodec
+
+    good = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[], block_size=0)
+    bytes_hash = BlockStored(
+        block_hashes=[b"\x01" * 32], parent_block_hash=None, token_ids=[], block_size=0
+    )
+    codec = MsgpackCodec(strict="refuse")
+    a = FileSink(tmp_path / "a.bin", codec=codec, name="a")
+    b = FileSink(tmp_path / "b.bin", codec=codec, name="b")  # shares the encoding with a
+    async with Scheduler(sinks=[a, b], origin="o") as scheduler:
+        for _ in range(3):
+            scheduler.emit([good, bytes_hash])
+            await scheduler.tick()
+    for sink in (a, b):
+        stats = sink.statistics()
+        assert stats.batches_out == 3
+        assert stats.events_refused == 3  # left out, never silently
+    warnings = [r for r in caplog.records if "strict profile refused" in r.getMessage()]
+    assert len(warnings) == 2  # once per burst, per sink

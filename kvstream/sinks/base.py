@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Final, Literal, NamedTuple, Self, TypeAlias, get_args
+from typing import Any, Final, Literal, NamedTuple, Self, TypeAlias, get_args
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
@@ -104,6 +104,9 @@ class SinkStatistics(NamedTuple):
     #: Batches still queued or in flight when the sink was closed.
     undelivered_batches: int
     undelivered_events: int
+    #: Events a strict codec left out of the batches it wrote for this sink
+    #: (e.g. bytes hashes for Dynamo); logged once per burst.
+    events_refused: int = 0
 
 
 class DeliveryReport(NamedTuple):
@@ -190,6 +193,8 @@ class Sink(ABC):
         self._burst_errors = 0
         self._drop_burst = False
         self._discarded: set[int] = set()
+        self._events_refused = 0
+        self._refuse_burst = False
 
     # -- what a sink author writes ------------------------------------------------
 
@@ -373,15 +378,37 @@ class Sink(ABC):
             if cache is None:
                 cache = batch._encoded = {}
             key: object = codec if _hashable(codec) else id(codec)
-            data = cache.get(key)
-            if data is None:
-                data = cache[key] = codec.encode(batch)
+            entry = cache.get(key)
+            if entry is None:
+                entry = cache[key] = _encode_with(codec, batch)
         else:
-            data = codec.encode(batch)
+            entry = _encode_with(codec, batch)
+        data, refused = entry
+        if refused:
+            self._count_refused(batch, refused)
+        elif self._refuse_burst:
+            self._refuse_burst = False
         n = len(batch.events)
         if n:
             self._size_model.observe(len(data), n)
         return data
+
+    def _count_refused(self, batch: EventBatch, refused: tuple[Any, ...]) -> None:
+        """A strict codec left events out of this batch: count them, log once per burst."""
+        self._events_refused += len(refused)
+        if not self._refuse_burst:
+            self._refuse_burst = True
+            first = refused[0]
+            log.warning(
+                "%s: the codec's strict profile refused %d event(s) of %s/%s seq %d "
+                "(first: %s); the batch is sent without them",
+                self.name,
+                len(refused),
+                batch.origin,
+                batch.epoch,
+                batch.seq,
+                getattr(first, "reason", first),
+            )
 
     def _take(self) -> list[tuple[bytes, EventBatch]]:
         """Pop up to ``max_coalesce`` batches and encode them (dropping unencodable ones)."""
@@ -552,6 +579,7 @@ class Sink(ABC):
             healthy=self._healthy,
             undelivered_batches=report.undelivered_batches if report else 0,
             undelivered_events=report.undelivered_events if report else 0,
+            events_refused=self._events_refused,
         )
 
     def __repr__(self) -> str:
@@ -563,6 +591,16 @@ async def _hold_task_group(*, task_status: TaskStatus[TaskGroup]) -> None:
     async with anyio.create_task_group() as tg:
         task_status.started(tg)
         await anyio.sleep_forever()
+
+
+def _encode_with(codec: Codec, batch: EventBatch) -> tuple[bytes, tuple[Any, ...]]:
+    """The batch's bytes, and the events a strict codec refused (its ``encode_screened``)."""
+    if getattr(codec, "strict", None) is not None:
+        screened = getattr(codec, "encode_screened", None)
+        if screened is not None:
+            data, refused = screened(batch)
+            return data, tuple(refused)
+    return codec.encode(batch), ()
 
 
 def _hashable(codec: object) -> bool:

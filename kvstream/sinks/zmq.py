@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple, Self
 import anyio
 import anyio.lowlevel
 
-from kvstream.codecs.msgpack import MsgpackCodec, Refusal, codec_from_options
+from kvstream.codecs.msgpack import MsgpackCodec, codec_from_options
 from kvstream.errors import ConfigError, DecodeError, MissingDependencyError, TransportError
 from kvstream.events import EventBatch
 from kvstream.sinks.base import Sink
@@ -252,8 +252,6 @@ class ZmqSink(Sink):
         self._subscription_changed = anyio.Event()
         # counters
         self._pipe_full = 0
-        self._events_refused = 0
-        self._refuse_burst = False
         self._unroutable = 0
         self._replay_requests = 0
         self._replay_malformed = 0
@@ -348,37 +346,6 @@ class ZmqSink(Sink):
         self._pub = self._router = None
 
     # -- publishing ---------------------------------------------------------------------
-
-    def _encode(self, batch: EventBatch) -> bytes:
-        # Strict codecs screen events here, in the writer, where they enter this sink:
-        # one pass that encodes and reports what was refused, so it can be counted.
-        codec = self.codec
-        if isinstance(codec, MsgpackCodec) and codec.strict is not None:
-            data, refused = codec.encode_screened(batch)
-            if refused:
-                self._count_refused(batch, refused)
-            elif self._refuse_burst:
-                self._refuse_burst = False
-            return data
-        return super()._encode(batch)
-
-    def _count_refused(self, batch: EventBatch, refused: tuple[Refusal, ...]) -> None:
-        self._events_refused += len(refused)
-        if not self._refuse_burst:
-            self._refuse_burst = True
-            log.warning(
-                "%s: strict profile refused %d event(s) of %s/%s seq %d (first: event %d: %s); "
-                "the batch is sent without them",
-                self.name,
-                len(refused),
-                batch.origin,
-                batch.epoch,
-                batch.seq,
-                refused[0].position,
-                refused[0].reason,
-            )
-        else:
-            log.debug("%s: strict profile refused %r", self.name, refused)
 
     def _topic_for(self, origin: str) -> bytes | None:
         topics = self._topics

@@ -36,6 +36,10 @@ import anyio
 import anyio.abc
 import pytest
 
+from kvstream.config import open_subscriber
+from kvstream.consumers.base import Gap
+from kvstream.events import BlockStored, EventBatch
+
 __all__ = [
     "REQUIRE_ENV",
     "CuttingProxy",
@@ -438,3 +442,36 @@ async def read_back_in_another_process(url: str) -> list[list[str]]:
     assert result.returncode == 0, result.stderr.decode()
     words = result.stdout.decode().split()
     return [words[i : i + 4] for i in range(0, len(words), 4)]
+
+
+# -- shared by the broker tests -----------------------------------------------------
+
+
+def stored(i: int, blocks: int = 1) -> BlockStored:
+    return BlockStored(
+        block_hashes=[i * 1000 + b + 1 for b in range(blocks)],
+        parent_block_hash=None,
+        token_ids=list(range(4 * blocks)),
+        block_size=4,
+        medium="GPU",
+    )
+
+
+def batch(seq: int, origin: str = "engine-0", epoch: str = "e1") -> EventBatch:
+    return EventBatch(seq=seq, ts=1.5 + seq, events=[stored(seq)], origin=origin, epoch=epoch)
+
+
+async def read_all(url: str, **kwargs: object) -> list[EventBatch | Gap]:
+    """Everything a subscriber yields from the stream's start until it has caught up."""
+    kwargs.setdefault("from_seq", 0)
+    items: list[EventBatch | Gap] = []
+    with anyio.fail_after(20):
+        async with open_subscriber(url, follow=False, **kwargs) as sub:
+            async for item in sub:
+                items.append(item)
+    return items
+
+
+def seqs(items: list[EventBatch | Gap]) -> list[int]:
+    assert not [i for i in items if isinstance(i, Gap)], items
+    return [i.seq for i in items if isinstance(i, EventBatch)]

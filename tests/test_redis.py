@@ -14,10 +14,14 @@ import pytest
 from servers import (
     CuttingProxy,
     RedisServer,
+    batch,
     free_port,
+    read_all,
     read_back_in_another_process,
     redis_server,
     redis_servers,
+    seqs,
+    stored,
     wait_until,
 )
 
@@ -26,7 +30,7 @@ from kvstream.config import open_sink, open_subscriber
 from kvstream.consumers.base import Gap
 from kvstream.consumers.redis import RedisSubscriber
 from kvstream.errors import ClosedError, ConfigError, DecodeError, TransportError
-from kvstream.events import BlockRemoved, BlockStored, EventBatch
+from kvstream.events import BlockRemoved, EventBatch
 from kvstream.scheduler import Scheduler
 from kvstream.sinks.memory import MemorySink
 from kvstream.sinks.redis import RedisSink, _next_id
@@ -35,36 +39,6 @@ from kvstream.wire.broker import key_from_fields, redis_fields
 __all__ = ["redis_server", "redis_servers"]  # fixtures, imported for pytest
 
 SERVER = pytest.mark.server
-
-
-def stored(i: int, blocks: int = 1) -> BlockStored:
-    return BlockStored(
-        block_hashes=[i * 1000 + b + 1 for b in range(blocks)],
-        parent_block_hash=None,
-        token_ids=list(range(4 * blocks)),
-        block_size=4,
-        medium="GPU",
-    )
-
-
-def batch(seq: int, origin: str = "engine-0", epoch: str = "e1") -> EventBatch:
-    return EventBatch(seq=seq, ts=1.5 + seq, events=[stored(seq)], origin=origin, epoch=epoch)
-
-
-async def read_all(url: str, **kwargs: object) -> list[EventBatch | Gap]:
-    """Everything a subscriber yields from the stream's start until it has caught up."""
-    kwargs.setdefault("from_seq", 0)
-    items: list[EventBatch | Gap] = []
-    with anyio.fail_after(20):
-        async with open_subscriber(url, follow=False, **kwargs) as sub:
-            async for item in sub:
-                items.append(item)
-    return items
-
-
-def seqs(items: list[EventBatch | Gap]) -> list[int]:
-    assert not [i for i in items if isinstance(i, Gap)], items
-    return [i.seq for i in items if isinstance(i, EventBatch)]
 
 
 @pytest.fixture

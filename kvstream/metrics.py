@@ -33,13 +33,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Final, Literal, NamedTuple, Self
 
-import anyio
-from anyio.abc import SocketAttribute, SocketStream, TaskGroup
-
 from kvstream.errors import ConfigError, MissingDependencyError, TransportError
 from kvstream.scheduler import Scheduler
 from kvstream.sinks.base import Sink
-from kvstream.wire.socket_security import bearer_authorized, check_listen_address
+from kvstream.wire.http import HttpLimits, HttpServer, HttpServerStatistics, Request, Response
 
 try:
     from prometheus_client.core import (
@@ -451,22 +448,14 @@ def parse_address(text: str) -> tuple[str, int]:
     return host or "127.0.0.1", port
 
 
-_MAX_HEAD: Final = 16 * 1024
-_REASONS: Final = {
-    200: "OK",
-    400: "Bad Request",
-    401: "Unauthorized",
-    404: "Not Found",
-    405: "Method Not Allowed",
-}
-
-
 class MetricsServer:
     """Serves ``GET /metrics`` for a collector, on the event loop.
 
     An async context manager; :attr:`port` is the bound port (useful with port
-    0). Each scrape reads the targets' statistics once. HTTP/1.0-style: one
-    request per connection; OpenMetrics when the scraper asks for it.
+    0). Each scrape reads the targets' statistics once; OpenMetrics when the
+    scraper asks for it. The HTTP layer is kvstream's one server
+    (:class:`~kvstream.wire.http.HttpServer`), with its documented limits
+    (``limits``) and counters (:meth:`server_statistics`).
     """
 
     def __init__(
@@ -476,12 +465,9 @@ class MetricsServer:
         *,
         process_metrics: bool = True,
         token: str | None = None,
+        limits: HttpLimits | None = None,
     ) -> None:
         self.host, self.requested_port = parse_address(address)
-        check_listen_address(
-            self.host, token, "metrics", "--metrics-token-env NAME or --metrics-token-file PATH"
-        )
-        self._token = token
         self.collector = collector
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(collector)
@@ -489,48 +475,41 @@ class MetricsServer:
             ProcessCollector(registry=self.registry)
             GCCollector(registry=self.registry)
         self.scrapes = 0
-        self._tg: TaskGroup | None = None
-        self._port: int | None = None
-        self._closed = False
+        self._http = HttpServer(
+            self._handle,
+            host=self.host,
+            port=self.requested_port,
+            limits=limits or HttpLimits(max_connections=16, body_bytes=64 * 1024),
+            token=token,
+            name="metrics",
+            token_hint="--metrics-token-env NAME or --metrics-token-file PATH",
+            keep_alive=False,  # a scrape is one request; Prometheus reconnects each time
+        )
 
     @property
     def port(self) -> int:
-        if self._port is None:
-            raise TransportError("MetricsServer.port: the server is not listening yet")
-        return self._port
+        return self._http.port
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/metrics"
+        return f"{self._http.url}/metrics"
+
+    def server_statistics(self) -> HttpServerStatistics:
+        """The HTTP listener's counters (connections, refusals, timeouts)."""
+        return self._http.statistics()
 
     async def __aenter__(self) -> Self:
         try:
-            listener = await anyio.create_tcp_listener(
-                local_host=self.host, local_port=self.requested_port, reuse_port=False
-            )
-        except OSError as exc:
+            await self._http.__aenter__()
+        except TransportError as exc:
             raise TransportError(
-                f"metrics address {self.host}:{self.requested_port}: cannot listen: {exc}"
+                f"metrics address {self.host}:{self.requested_port}: {exc}"
             ) from exc
-        self._port = listener.extra(SocketAttribute.local_port)
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        self._tg = tg
-        tg.start_soon(self._serve, listener, tg, name="kvstream metrics server")
         return self
-
-    async def _serve(self, listener: Any, tg: TaskGroup) -> None:
-        async with listener:
-            await listener.serve(self._handle, task_group=tg)
 
     async def aclose(self) -> None:
         """Stop listening and drop open connections. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._tg is not None:
-            self._tg.cancel_scope.cancel()
+        await self._http.aclose()
 
     async def __aexit__(
         self,
@@ -538,74 +517,14 @@ class MetricsServer:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        try:
-            await self.aclose()
-        finally:
-            tg, self._tg = self._tg, None
-            if tg is not None:
-                await tg.__aexit__(None, None, None)
+        await self._http.__aexit__(exc_type, exc, tb)
 
-    async def _handle(self, stream: SocketStream) -> None:
-        async with stream:
-            head = b""
-            with anyio.move_on_after(10.0):
-                try:
-                    while b"\r\n\r\n" not in head and b"\n\n" not in head:
-                        chunk = await stream.receive(4096)
-                        head += chunk
-                        if len(head) > _MAX_HEAD:
-                            break
-                except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
-                    return
-            try:
-                await self._respond(stream, head)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                pass  # the scraper went away
-
-    async def _respond(self, stream: SocketStream, head: bytes) -> None:
-        lines = head.decode("latin-1").splitlines()
-        parts = lines[0].split() if lines else []
-        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
-            await _reply(stream, 400, b"bad request\n")
-            return
-        method, target = parts[0], parts[1]
-        if method not in ("GET", "HEAD"):
-            await _reply(stream, 405, b"only GET and HEAD\n", extra=b"Allow: GET, HEAD\r\n")
-            return
-        if target.split("?", 1)[0] not in ("/metrics", "/"):
-            await _reply(stream, 404, b"not found: try /metrics\n")
-            return
-        accept = ""
-        authorization = None
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            key = name.strip().lower()
-            if key == "accept":
-                accept = value.strip()
-            elif key == "authorization":
-                authorization = value.strip()
-        if not bearer_authorized(authorization, self._token):
-            await _reply(stream, 401, b"missing or wrong bearer token\n")
-            return
-        encoder, content_type = choose_encoder(accept)
+    async def _handle(self, request: Request) -> Response:
+        if request.method not in ("GET", "HEAD"):
+            return Response(405, b"only GET and HEAD\n", headers=(("Allow", "GET, HEAD"),))
+        if request.path not in ("/metrics", "/"):
+            return Response(404, b"not found: try /metrics\n")
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
         body = encoder(self.registry)
         self.scrapes += 1
-        await _reply(stream, 200, body, content_type=content_type, head_only=method == "HEAD")
-
-
-async def _reply(
-    stream: SocketStream,
-    status: int,
-    body: bytes,
-    *,
-    content_type: str = "text/plain; charset=utf-8",
-    extra: bytes = b"",
-    head_only: bool = False,
-) -> None:
-    head = (
-        f"HTTP/1.1 {status} {_REASONS[status]}\r\n"
-        f"Content-Type: {content_type}\r\n"
-        f"Content-Length: {len(body)}\r\n"
-        "Connection: close\r\n"
-    ).encode("latin-1")
-    await stream.send(head + extra + b"\r\n" + (b"" if head_only else body))
+        return Response(200, body, content_type=content_type)

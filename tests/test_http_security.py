@@ -49,11 +49,11 @@ async def test_metrics_server_checks_the_bearer_token() -> None:
         status, _ = await _request(server.port, "GET /metrics HTTP/1.1\r\nHost: x\r\n")
         assert status == 401
         status, _ = await _request(
-            server.port, "GET /metrics HTTP/1.1\r\nAuthorization: Bearer wrong\r\n"
+            server.port, "GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\n"
         )
         assert status == 401
         status, body = await _request(
-            server.port, "GET /metrics HTTP/1.1\r\nAuthorization: Bearer s3cret\r\n"
+            server.port, "GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n"
         )
         assert status == 200
         assert b"process_" in body or b"python_" in body

@@ -7,10 +7,9 @@ from typing import Any
 
 import pytest
 
-from kvstream import ConfigError, FileSink, JsonCodec, MemorySink, MissingDependencyError
+from kvstream import ConfigError, FileSink, JsonCodec, MemorySink
 from kvstream.config import (
     Options,
-    _load,
     make_codec,
     open_sink,
     open_subscriber,
@@ -229,9 +228,3 @@ def test_options_are_taken_one_by_one_and_leftovers_refused() -> None:
     leftover = Options("u", {"z": "1"})
     with pytest.raises(ConfigError, match="unknown option"):
         leftover.finish()
-
-
-def test_a_missing_extra_names_the_install_command() -> None:
-    table = {"fancy": ("kvstream_no_such_module:factory", "zmq")}
-    with pytest.raises(MissingDependencyError, match=r"pip install 'kvstream\[zmq\]'"):
-        _load(table, "fancy", "fancy://x")

@@ -8,32 +8,34 @@ Sink URLs (every one also takes ``?policy=block|drop_oldest|drop_newest``,
                               ?rotate_bytes=64MiB&rotate_seconds=3600&keep=10 rotate it
     memory:                   a MemorySink (tests, examples)
 
-and, as their issues land, ``tcp://HOST:PORT``, ``unix:PATH``, ``zmq+tcp://...``,
-``zmq+ipc://...``, ``nats://...``, ``redis://...``. An option a sink does not
-know is an error that names it; so is a malformed value.
+and ``tcp://HOST:PORT``, ``unix:PATH``, ``zmq+tcp://...``, ``zmq+ipc://...``,
+``nats://...``, ``redis://...``. An option a sink does not know is an error
+that names it; so is a malformed value. Installed plug-ins add schemes and
+codecs through entry points (:mod:`kvstream.config.registry`).
 
 Integrations are imported only when their scheme is used, so a missing extra
-says which ``pip install 'kvstream[...]'`` fixes it.
+says which ``pip install 'kvstream-events[...]'`` fixes it.
 """
 
 from __future__ import annotations
 
-import importlib
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from kvstream.codecs.base import Codec
 from kvstream.codecs.json import JsonCodec
+from kvstream.config.registry import Registry
 from kvstream.consumers.base import Subscriber
-from kvstream.errors import ConfigError, MissingDependencyError
+from kvstream.errors import ConfigError
 from kvstream.sinks.base import DEFAULT_MAX_BATCHES, DEFAULT_MAX_BYTES, POLICIES, Sink
 
 __all__ = [
     "Options",
     "ParsedURL",
+    "Registry",
     "make_codec",
     "open_sink",
     "open_subscriber",
@@ -82,7 +84,7 @@ class ParsedURL:
     #: host (without brackets) for network schemes, else ""
     host: str
     port: int | None
-    #: path for file/unix/ipc schemes; for network schemes the URL path without "/"
+    #: path for file/unix/ipc schemes and URLs without a host; else the URL path without "/"
     path: str
     options: Mapping[str, str] = field(default_factory=dict)
 
@@ -191,73 +193,32 @@ def parse_url(url: str) -> ParsedURL:
     host = parts.hostname or ""
     if "*" in parts.netloc:
         host = "*"
-    return ParsedURL(url, scheme, host, port, unquote(parts.path.lstrip("/")), options)
+    # Without a host the path is a path (a plug-in's ``scheme:/var/kv.db``).
+    path = parts.path.lstrip("/") if parts.netloc else parts.path
+    return ParsedURL(url, scheme, host, port, unquote(path), options)
 
 
-# scheme -> "module:function" building a Sink from (ParsedURL, Options, common kwargs).
-_SINKS: Final[dict[str, tuple[str, str | None]]] = {
-    "file": ("kvstream.config:_file_sink", None),
-    "memory": ("kvstream.config:_memory_sink", None),
-    "zmq+tcp": ("kvstream.sinks.zmq:sink_from_url", "zmq"),
-    "zmq+ipc": ("kvstream.sinks.zmq:sink_from_url", "zmq"),
-    "nats": ("kvstream.sinks.nats:sink_from_url", "nats"),
-    "redis": ("kvstream.sinks.redis:sink_from_url", "redis"),
-    "tcp": ("kvstream.sinks.socket:sink_from_url", None),
-    "unix": ("kvstream.sinks.socket:sink_from_url", None),
-}
-
-# scheme -> "module:function" building a Subscriber from (ParsedURL, Options, kwargs).
-_SUBSCRIBERS: Final[dict[str, tuple[str, str | None]]] = {
-    "file": ("kvstream.config:_file_subscriber", None),
-    "zmq+tcp": ("kvstream.consumers.zmq:subscriber_from_url", "zmq"),
-    "zmq+ipc": ("kvstream.consumers.zmq:subscriber_from_url", "zmq"),
-    "nats": ("kvstream.consumers.nats:subscriber_from_url", "nats"),
-    "redis": ("kvstream.consumers.redis:subscriber_from_url", "redis"),
-    "tcp": ("kvstream.consumers.socket:subscriber_from_url", None),
-    "unix": ("kvstream.consumers.socket:subscriber_from_url", None),
-}
-
-# codec name -> "module:function" building a Codec from Options.
-_CODECS: Final[dict[str, tuple[str, str | None]]] = {
-    "json": ("kvstream.config:_json_codec", None),
-    "msgpack": ("kvstream.codecs.msgpack:codec_from_options", None),
-}
-
-
-def _load(
-    table: Mapping[str, tuple[str, str | None]], key: str, what: str, kind: str = "scheme"
-) -> Callable[..., Any]:
-    entry = table.get(key)
-    if entry is None:
-        known = ", ".join(sorted(table))
-        raise ConfigError(f"{what}: unknown {kind} {key!r}; expected one of: {known}")
-    target, extra = entry
-    module_name, _, func = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except MissingDependencyError:
-        raise  # the module already named the package and the extra
-    except ImportError as exc:
-        if extra is None:
-            raise
-        raise MissingDependencyError.for_extra(exc.name or module_name, extra, exc) from exc
-    return getattr(module, func)  # type: ignore[no-any-return]
-
-
-def make_codec(name: str, options: Options | None = None) -> Codec:
-    """Build a codec by name (``json``, ``msgpack``), taking its options."""
+def make_codec(
+    name: str, options: Options | None = None, *, registry: Registry | None = None
+) -> Codec:
+    """Build a codec by name (``json``, ``msgpack``, or a plug-in's), taking its options."""
     opts = options or Options(name, {})
     what = "codec" if options is None else f"{options.url}: option codec"
-    factory = _load(_CODECS, name, what, "codec")
+    factory = (registry or Registry.default()).factory("codec", name, what)
     return factory(opts)  # type: ignore[no-any-return]
 
 
-def open_sink(url: str, *, codecs: dict[str, Codec] | None = None) -> Sink:
+def open_sink(
+    url: str, *, codecs: dict[str, Codec] | None = None, registry: Registry | None = None
+) -> Sink:
     """Build the sink a URL describes (not yet opened: enter it or add it to a scheduler).
 
     ``codecs`` lets several URLs share codec instances (so a batch is encoded
-    once per distinct codec configuration).
+    once per distinct codec configuration). ``registry`` says which schemes
+    exist (default: :meth:`Registry.default`, kvstream's own and every installed
+    plug-in's).
     """
+    registry = registry or Registry.default()
     parsed = parse_url(url)
     opts = Options(url, parsed.options)
     policy = opts.pop_choice("policy", POLICIES, "block")
@@ -271,21 +232,21 @@ def open_sink(url: str, *, codecs: dict[str, Codec] | None = None) -> Sink:
         common["name"] = name
     codec_name = opts.pop_str("codec")
     if codec_name is not None:
-        codec = make_codec(codec_name, opts)
+        codec = make_codec(codec_name, opts, registry=registry)
         if codecs is not None:
             codec = codecs.setdefault(repr(codec), codec)
         common["codec"] = codec
-    factory = _load(_SINKS, parsed.scheme, url)
+    factory = registry.factory("sink", parsed.scheme, url)
     sink: Sink = factory(parsed, opts, common)
     opts.finish()
     return sink
 
 
-def open_subscriber(url: str, **kwargs: Any) -> Subscriber:
+def open_subscriber(url: str, *, registry: Registry | None = None, **kwargs: Any) -> Subscriber:
     """Build the subscriber a URL describes (``from_seq=``, ``follow=`` where supported)."""
     parsed = parse_url(url)
     opts = Options(url, parsed.options)
-    factory = _load(_SUBSCRIBERS, parsed.scheme, url)
+    factory = (registry or Registry.default()).factory("subscriber", parsed.scheme, url)
     sub: Subscriber = factory(parsed, opts, kwargs)
     opts.finish()
     return sub

@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import AsyncIterator
 
 import pytest
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every async test gets the leak check (no asyncio task may outlive it)."""
+    for item in items:
+        function = getattr(item, "function", None)
+        names = getattr(item, "fixturenames", None)
+        if inspect.iscoroutinefunction(function) and names is not None:
+            if "no_leaked_tasks" not in names:
+                names.append("no_leaked_tasks")
 
 
 @pytest.fixture
@@ -16,7 +27,7 @@ def anyio_backend() -> str:
 
 @pytest.fixture
 async def no_leaked_tasks() -> AsyncIterator[None]:
-    """Opt-in: fail the test if it leaves asyncio tasks running on the loop.
+    """Fail the test if it leaves asyncio tasks running on the loop (every async test).
 
     Lets the loop run a few rounds first, so tasks that are finishing (a
     cancelled writer running its ``finally``) get to finish.

@@ -27,6 +27,7 @@ PER_BATCH = 100
 SEED = 20260601
 
 
+@pytest.mark.slow
 async def test_a_million_events_reach_every_local_sink_exactly_once_in_order() -> None:
     stream = SeededEvents(SEED)
     folder = tempfile.mkdtemp(dir="/tmp", prefix="kvs-load-")

@@ -193,6 +193,7 @@ def test_demo_stopped_by_a_signal_delivers_every_batch_it_reported(
     assert re.search(rf"-> MemorySink: {last + 1} batches", stderr), stderr
 
 
+@pytest.mark.slow
 def test_demo_reports_what_a_stuck_sink_could_not_deliver(workdir: Path) -> None:
     """A sink that takes 60 s per batch cannot deliver within the 5 s close deadline:
     the demo still ends, the healthy file sink has everything, and stderr and the

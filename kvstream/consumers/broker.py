@@ -29,6 +29,7 @@ import anyio
 
 from kvstream.codecs.base import Codec
 from kvstream.consumers.base import Continuity, SequenceTracker, Subscriber, SubscriberItem
+from kvstream.consumers.socket import SnapshotBatch
 from kvstream.errors import ClosedError
 from kvstream.events import EventBatch
 from kvstream.wire.broker import FromSeq, PayloadDecoder, check_from_seq, start_seq
@@ -36,7 +37,7 @@ from kvstream.wire.broker import FromSeq, PayloadDecoder, check_from_seq, start_
 if TYPE_CHECKING:
     from kvstream.config import Options
 
-__all__ = ["Backoff", "BrokerSubscriber", "ReaderOptions", "reader_options"]
+__all__ = ["Backoff", "BrokerSubscriber", "ReaderOptions", "as_snapshot_batch", "reader_options"]
 
 log = logging.getLogger("kvstream.consumers")
 
@@ -197,6 +198,19 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
         if state is Continuity.DUPLICATE:
             return []
         return [gap, batch] if gap is not None else [batch]
+
+
+def as_snapshot_batch(batch: EventBatch, first_missing: int) -> SnapshotBatch:
+    """``batch`` (a snapshot encoded as the batch ``resume_seq - 1``) as a :class:`SnapshotBatch`.
+
+    One snapshot type for every transport: the socket subscriber's.
+    """
+    snap = SnapshotBatch._trusted(
+        batch.seq, batch.ts, batch.events, batch.data_parallel_rank, batch.origin, batch.epoch
+    )
+    assert isinstance(snap, SnapshotBatch)
+    snap.first_missing = first_missing
+    return snap
 
 
 def reader_options(opts: Options, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -50,7 +50,7 @@ snapshot's ``seq + 1``, so a consumer can keep its state with the same keeper.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final, NamedTuple
 
 from kvstream.errors import ConfigError, KVStreamError
@@ -69,6 +69,7 @@ __all__ = [
     "HeldBlock",
     "KeeperStatistics",
     "Snapshot",
+    "SnapshotSchedule",
     "StateError",
     "StateKeeper",
     "StateLimitError",
@@ -446,3 +447,46 @@ def _stored(
         kv_cache_spec_sliding_window=shape.kv_cache_spec_sliding_window,
         locality=shape.locality,
     )
+
+
+class SnapshotSchedule:
+    """When a sink should publish an origin's snapshot: every ``every`` batches or
+    ``interval`` seconds (whichever comes first, checked as batches are delivered),
+    and at once after the first batch of each epoch, so every origin a reader can
+    meet has a snapshot from its start. Sans-IO: ``clock`` is injected.
+    """
+
+    __slots__ = ("_clock", "_last", "every", "interval")
+
+    def __init__(
+        self,
+        every: int | None,
+        interval: float | None,
+        *,
+        clock: Callable[[], float],
+    ) -> None:
+        if every is not None and (type(every) is not int or every < 1):
+            raise ConfigError(f"snapshot_every: expected an int >= 1 (batches), got {every!r}")
+        if interval is not None and not (isinstance(interval, int | float) and interval > 0):
+            raise ConfigError(f"snapshot_interval: expected seconds > 0, got {interval!r}")
+        self.every = every
+        self.interval = interval
+        self._clock = clock
+        # origin -> (epoch of the last snapshot, batches since it, when it was taken)
+        self._last: dict[str, tuple[str, int, float]] = {}
+
+    def due(self, batch: EventBatch) -> bool:
+        """Count ``batch`` (just delivered); True when its origin's snapshot is due."""
+        last = self._last.get(batch.origin)
+        if last is None or last[0] != batch.epoch:
+            return True
+        epoch, since, when = last
+        since += 1
+        self._last[batch.origin] = (epoch, since, when)
+        if self.every is not None and since >= self.every:
+            return True
+        return self.interval is not None and self._clock() - when >= self.interval
+
+    def taken(self, origin: str, epoch: str) -> None:
+        """The snapshot of ``origin`` was published."""
+        self._last[origin] = (epoch, 0, self._clock())

@@ -24,6 +24,12 @@ below it).
   a reconnect the consumer first re-reads its own pending (delivered, not
   acknowledged) entries, then new ones. Delivery is at least once; the
   tracker drops repeats within one subscriber.
+
+Snapshots (see :mod:`kvstream.consumers.broker`; plain mode only): read from
+the keys a :class:`~kvstream.sinks.redis.RedisSink` with
+``snapshot_every``/``snapshot_interval`` writes beside ``STREAM``. On a cold
+start with snapshots found, reading starts after the oldest snapshot's entry,
+whatever ``start`` says.
 """
 
 from __future__ import annotations
@@ -39,12 +45,20 @@ from kvstream.consumers.base import Subscriber, SubscriberItem
 from kvstream.consumers.broker import BrokerSubscriber, ReaderOptions, reader_options
 from kvstream.errors import ConfigError, DecodeError, TransportError
 from kvstream.wire import redis_client
-from kvstream.wire.broker import DEFAULT_REDIS_STREAM, client_url
+from kvstream.wire.broker import (
+    DEFAULT_REDIS_STREAM,
+    SnapshotInfo,
+    client_url,
+    read_envelope,
+    redis_position,
+    redis_snapshot_index,
+    redis_snapshot_key,
+)
 from kvstream.wire.broker_client import shown_url
 
 if TYPE_CHECKING:
     # Named only in a string (the base class's type argument), which ruff does not see.
-    from redis.asyncio import Redis  # noqa: F401
+    from redis.asyncio import Redis
 
     from kvstream.config import Options, ParsedURL
 
@@ -94,6 +108,13 @@ class RedisSubscriber(BrokerSubscriber["Redis"]):
         if not block > 0:
             raise ConfigError(f"{shown}: block: expected seconds > 0, got {block!r}")
         super().__init__(url, shown, **options)
+        if self._snapshots_wanted is None:
+            self._snapshots_wanted = self.from_seq is None and group is None
+        elif self._snapshots_wanted and group is not None:
+            raise ConfigError(
+                f"{shown}: snapshots: a group ({group!r}) resumes its own position, which a "
+                f"snapshot would contradict; drop group or snapshots"
+            )
         if start is None:
             start = "$" if self.from_seq is None else "0"
         if start not in ("0", "$") and not _looks_like_id(start):
@@ -138,11 +159,55 @@ class RedisSubscriber(BrokerSubscriber["Redis"]):
                             f"{self.shown}: cannot create group {self.group!r} on "
                             f"{self.stream!r}: {redis_client.describe_error(exc)}"
                         ) from exc
-            elif self.last_id is None and self.start == "$":
+            used = await self._cold_start(client)
+            if used and self.last_id is None:
+                # Right after the oldest snapshot; the tracker drops what each one holds.
+                self.last_id = min((info.position for info in used), key=redis_position)
+            if self.group is None and self.last_id is None and self.start == "$":
                 # Pin "$" to an id now, so a reconnect does not skip what came meanwhile.
                 last = await client.xrevrange(self.stream, count=1)
                 self.last_id = _text(last[0][0]) if last else "0-0"
         self._client = client
+
+    # -- snapshots ------------------------------------------------------------------
+
+    def _covers(self, info: SnapshotInfo) -> bool:
+        return info.where == self.stream
+
+    async def _snapshot_heads(
+        self, client: Redis, origin: str | None
+    ) -> list[tuple[SnapshotInfo, Any]]:
+        redis = redis_client.require_redis()
+        try:
+            if origin is None:
+                origins = sorted(
+                    _text(o) for o in await client.smembers(redis_snapshot_index(self.stream))
+                )
+            else:
+                origins = [origin]
+            out: list[tuple[SnapshotInfo, Any]] = []
+            for name in origins:
+                data = await client.get(redis_snapshot_key(self.stream, name))
+                if not isinstance(data, bytes):
+                    continue
+                try:
+                    info, _ = read_envelope(data, f"{self.shown}: snapshot of {name}")
+                except DecodeError as exc:
+                    self.bad_snapshots += 1
+                    log.warning("%s: %s", self.shown, exc)
+                    continue
+                out.append((info, data))
+            return out
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise TransportError(
+                f"{self.shown}: reading snapshots failed: {redis_client.describe_error(exc)}"
+            ) from exc
+
+    async def _snapshot_envelope(
+        self, client: Redis, info: SnapshotInfo, where: Any
+    ) -> bytes | None:
+        data: bytes = where  # read whole by _snapshot_heads (one GET: consistent)
+        return data
 
     async def _disconnect(self) -> None:
         client, self._client = self._client, None
@@ -212,6 +277,8 @@ class RedisSubscriber(BrokerSubscriber["Redis"]):
         consumed: list[Any] = []  # group entries handed over, not yet acknowledged
         backoff = self._backoff("retrying")
         try:
+            while self._pending:
+                yield self._pending.popleft()
             while not self._closed:
                 if grouped:
                     cursor = pending_cursor if pending_cursor is not None else ">"
@@ -248,7 +315,10 @@ class RedisSubscriber(BrokerSubscriber["Redis"]):
                             pending_cursor = _text(entry_id)
                     else:
                         self.last_id = _text(entry_id)
-                    for item in self._accept(entry_id, fields):
+                    items = self._accept(entry_id, fields)
+                    if self._jumped is not None:
+                        items = await self._repair(items)
+                    for item in items:
                         yield item
         finally:
             if consumed and self._client is not None:

@@ -159,8 +159,12 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
         self.bad_snapshots = 0
         self._cold_started = False
         self._pending: deque[SubscriberItem] = deque()
-        # The batch whose arrival showed a jump a snapshot might cover (see _admit).
-        self._jumped: tuple[EventBatch, int] | None = None
+        # The batch whose arrival showed a jump a snapshot might cover, with its
+        # position in the stream (see _admit).
+        self._jumped: tuple[EventBatch, Any, int] | None = None
+        # origin -> stream position of its delivered snapshot: its batches up to
+        # there (of any epoch) are in the snapshot or older than it, and skipped.
+        self._covered: dict[str, Any] = {}
 
     # -- what a broker provides ---------------------------------------------------------
 
@@ -195,6 +199,10 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
     def _covers(self, info: SnapshotInfo) -> bool:
         """True when the origin's batches are on what this subscriber reads."""
         return True
+
+    def _position(self, text: str) -> Any:
+        """A stream position (of a snapshot's info) as a value that compares in stream order."""
+        return int(text)
 
     @property
     def snapshots(self) -> bool:
@@ -242,12 +250,18 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
 
     # -- from a decoded batch to items --------------------------------------------------
 
-    def _admit(self, batch: EventBatch) -> list[SubscriberItem]:
+    def _admit(self, batch: EventBatch, position: Any = None) -> list[SubscriberItem]:
         """``batch`` and the gap before it, if any; [] when it is skipped or a repeat.
 
-        When snapshots are on and the batch shows a jump, it is remembered for
-        :meth:`_repair`, which the reading loop awaits before yielding.
+        ``position`` is the batch's place in the stream (as :meth:`_position`
+        makes them). When snapshots are on, a batch at or before its origin's
+        delivered snapshot is skipped (it is in the snapshot, or of an older
+        epoch), and a batch that shows a jump is remembered for :meth:`_repair`,
+        which the reading loop awaits before yielding.
         """
+        covered = self._covered.get(batch.origin) if self._covered else None
+        if covered is not None and position is not None and position <= covered:
+            return []
         if self.from_seq is not None and self.tracker.position(batch.origin) is None:
             first = start_seq(self.from_seq, batch.origin)
             if first is not None and batch.seq < first:
@@ -257,9 +271,9 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
             return []
         if self.snapshots:
             if gap is not None:
-                self._jumped = (batch, gap.first_missing)
+                self._jumped = (batch, position, gap.first_missing)
             elif state in (Continuity.FIRST, Continuity.NEW_EPOCH) and batch.seq > 0:
-                self._jumped = (batch, 0)
+                self._jumped = (batch, position, 0)
         return [gap, batch] if gap is not None else [batch]
 
     async def _repair(self, items: list[SubscriberItem]) -> list[SubscriberItem]:
@@ -268,20 +282,19 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
         client = self._client
         if jumped is None or client is None:
             return items
-        batch, first_missing = jumped
+        batch, position, first_missing = jumped
         try:
             heads = await self._snapshot_heads(client, batch.origin)
         except KVStreamError as exc:
             log.warning("%s: snapshot of %s not read: %s", self.shown, batch.origin, exc)
             return items
         for info, where in heads:
-            if (
-                info.origin != batch.origin
-                or info.epoch != batch.epoch
-                or info.resume_seq < batch.seq
-                or not self._covers(info)
-            ):
+            if info.origin != batch.origin or not self._covers(info):
                 continue
+            at = self._position(info.position)
+            later = position is not None and at >= position  # holds this batch (or a newer epoch)
+            if not later and (info.epoch != batch.epoch or info.resume_seq < batch.seq):
+                continue  # older than the jump: it cannot fill it
             snap = await self._load_snapshot(client, info, where, first_missing)
             if snap is None:
                 continue
@@ -289,7 +302,10 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
             if items and isinstance(items[0], Gap):  # repaired: not a loss
                 tracker.gaps -= 1
                 tracker.missing -= items[0].missing
-            tracker.expect(batch.origin, batch.epoch, snap.next_seq)
+            tracker.expect(snap.origin, snap.epoch, snap.next_seq)
+            self._covered[snap.origin] = at
+            if later:
+                return [snap]
             state, _ = tracker.check(batch)
             return [snap, batch] if state is Continuity.NEXT else [snap]
         return items
@@ -310,6 +326,7 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
             if snap is None:
                 continue
             self.tracker.expect(snap.origin, snap.epoch, snap.next_seq)
+            self._covered[snap.origin] = self._position(info.position)
             self._pending.append(snap)
             used.append(info)
         return used

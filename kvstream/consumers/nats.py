@@ -392,7 +392,7 @@ class NatsSubscriber(BrokerSubscriber["Client"]):
             self.bad_messages += 1
             log.warning("%s: message on %s skipped: %s", self.shown, msg.subject, exc)
             return []
-        return self._admit(batch)
+        return self._admit(batch, self._last_stream_seq)
 
     async def _read(self) -> AsyncGenerator[SubscriberItem, None]:
         if self._client is None and not self._closed:

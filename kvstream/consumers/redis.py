@@ -174,6 +174,9 @@ class RedisSubscriber(BrokerSubscriber["Redis"]):
     def _covers(self, info: SnapshotInfo) -> bool:
         return info.where == self.stream
 
+    def _position(self, text: str) -> Any:
+        return redis_position(text)
+
     async def _snapshot_heads(
         self, client: Redis, origin: str | None
     ) -> list[tuple[SnapshotInfo, Any]]:
@@ -266,7 +269,7 @@ class RedisSubscriber(BrokerSubscriber["Redis"]):
                 "%s/%s: entry %s skipped: %s", self.shown, self.stream, _text(entry_id), exc
             )
             return []
-        return self._admit(batch)
+        return self._admit(batch, redis_position(_text(entry_id)))
 
     async def _read(self) -> AsyncGenerator[SubscriberItem, None]:
         if self._client is None and not self._closed:

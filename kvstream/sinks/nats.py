@@ -436,7 +436,11 @@ class NatsSink(Sink):
             )
             await js.publish(head_subject, head, headers={"Nats-Rollup": "sub"})
             # The older snapshot's parts: everything on the part subject before this one.
-            await client.jsm().purge_stream(self.snapshot_stream, seq=first, subject=part_subject)
+            # (The server reads seq <= 1 as "no bound": the whole subject would go.)
+            if first > 1:
+                await client.jsm().purge_stream(
+                    self.snapshot_stream, seq=first, subject=part_subject
+                )
         except (nats.errors.Error, OSError) as exc:
             snapshots.failed += 1
             log.warning(

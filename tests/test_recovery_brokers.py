@@ -208,8 +208,8 @@ async def test_consumers_killed_restarted_and_left_behind_end_whole(
         await _publish(sink, publisher, rng.randint(1, 8))
         consumer = await _open_consumer(broker)
         consumers.append(consumer)
-        for _phase in range(8):
-            await _publish(sink, publisher, rng.randint(1, 14))
+        for _phase in range(10):
+            await _publish(sink, publisher, rng.randint(1, 20))
             await broker.trim(rng)
             action = rng.choice(["read", "read", "kill", "restart-publisher", "idle"])
             if action == "kill":  # the consumer process dies; a new one starts cold
@@ -260,5 +260,26 @@ async def test_a_late_consumer_gets_one_snapshot_per_origin_then_the_stream(
             stats = sink.snapshots  # type: ignore[attr-defined]
             assert stats.published >= 40 // EVERY - len(ORIGINS)
             assert stats.failed == 0
+        finally:
+            await consumer.sub.aclose()
+
+
+async def test_a_live_consumer_left_behind_the_retention_is_repaired_by_a_snapshot(
+    broker: Broker,
+) -> None:
+    rng = random.Random(11)
+    publisher = Publisher(rng)
+    async with open_sink(broker.sink_url()) as sink:
+        await _publish(sink, publisher, 4)
+        consumer = await _open_consumer(broker)
+        try:
+            await consumer.catch_up(publisher.reference)
+            cold = consumer.snapshots
+            # The consumer does not read while the stream forgets what it has not read.
+            await _publish(sink, publisher, 40)
+            await broker.trim(rng, always=True)
+            await consumer.catch_up(publisher.reference)
+            assert consumer.snapshots > cold  # the gaps were filled by snapshots
+            assert consumer.sub.tracker.gaps == 0
         finally:
             await consumer.sub.aclose()

@@ -18,7 +18,13 @@ import pytest
 from servers import NatsServer, RedisServer, nats_servers, redis_servers, wait_until
 
 from kvstream.config import open_sink, open_subscriber
-from kvstream.consumers.base import Gap, Subscriber, SubscriberItem
+from kvstream.consumers.base import (
+    Gap,
+    LivenessChange,
+    LivenessTracker,
+    Subscriber,
+    SubscriberItem,
+)
 from kvstream.consumers.socket import SnapshotBatch
 from kvstream.events import AllBlocksCleared, EventBatch
 from kvstream.sim import SimulatedEngine
@@ -283,3 +289,58 @@ async def test_a_live_consumer_left_behind_the_retention_is_repaired_by_a_snapsh
             assert consumer.sub.tracker.gaps == 0
         finally:
             await consumer.sub.aclose()
+
+
+# -- heartbeats ------------------------------------------------------------------------
+
+
+def test_liveness_tracker_reports_gone_back_and_restarted() -> None:
+    now = [0.0]
+    tracker = LivenessTracker(lambda: now[0])
+    assert tracker.heard("a", "e1", 0) == []  # a batch: no interval known yet
+    now[0] = 100.0
+    assert tracker.check() == []  # never announced an interval: never judged gone
+    assert tracker.heard("a", "e1", 0, interval=1.0) == []
+    now[0] = 101.9
+    assert tracker.check() == []
+    now[0] = 102.1
+    assert tracker.check() == [LivenessChange("a", "e1", "gone")]
+    assert tracker.check() == []  # reported once
+    assert not tracker.snapshot()["a"].alive
+    assert tracker.heard("a", "e1", 3, interval=1.0) == [LivenessChange("a", "e1", "back")]
+    assert tracker.heard("a", "e2", -1, interval=1.0) == [LivenessChange("a", "e2", "restarted")]
+    live = tracker.snapshot()["a"]
+    assert (live.epoch, live.last_seq, live.interval, live.alive) == ("e2", -1, 1.0, True)
+
+
+async def test_heartbeats_tell_an_idle_publisher_from_a_gone_one(broker: Broker) -> None:
+    changes: list[LivenessChange] = []
+    items: list[SubscriberItem] = []
+    sub = open_subscriber(broker.sub_url(heartbeats="true"), on_liveness=changes.append)
+
+    async def read() -> None:
+        async for item in sub:
+            items.append(item)
+
+    publisher = Publisher(random.Random(5))
+    async with sub, anyio.create_task_group() as tg:
+        tg.start_soon(read)
+        sink = open_sink(broker.sink_url(heartbeat=0.5))
+        async with sink:
+            await _publish(sink, publisher, 2)
+            beats = sink._heartbeats  # type: ignore[attr-defined]
+            await wait_until(lambda: beats.sent >= 4)  # idle, and heard from
+            live = sub.liveness()  # type: ignore[attr-defined]
+            assert {o for o in live if live[o].interval == 0.5} <= set(ORIGINS)
+            assert any(v.interval == 0.5 for v in live.values())
+        # The publisher is gone: within two intervals the subscriber says so.
+        await wait_until(lambda: any(c.change == "gone" for c in changes))
+        gone = {c.origin for c in changes if c.change == "gone"}
+        assert gone <= set(ORIGINS)
+        assert all(not sub.liveness()[o].alive for o in gone)  # type: ignore[attr-defined]
+        # It comes back as a new process: a new epoch.
+        publisher.restart()
+        async with open_sink(broker.sink_url(heartbeat=0.5)) as sink:
+            await _publish(sink, publisher, 4)
+            await wait_until(lambda: any(c.change == "restarted" for c in changes))
+        tg.cancel_scope.cancel()

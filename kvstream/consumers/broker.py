@@ -26,27 +26,46 @@ connect, fetch and acknowledge; the rest is written here once:
   it. A gap no snapshot covers is reported as before. ``snapshots=None`` (the
   default) turns this on unless the reader asked for a position of its own
   (``from_seq``, a durable consumer, a Redis group);
+* **liveness** (``heartbeats=True``, where the sink sends heartbeats): every
+  batch and heartbeat of an origin is a sign of life; an origin that announced
+  a heartbeat interval and was not heard from for two of them is reported
+  ``gone`` (and ``back`` or ``restarted`` when it is heard again), to the
+  ``on_liveness`` callback, in the log, and in :meth:`BrokerSubscriber.liveness`,
+  so an index can expire it (:meth:`~kvstream.index.prefix.PrefixIndex.mark_stale`
+  or ``forget``). The check runs while the subscriber is read (each read waits
+  at most its poll interval);
 * the URL options every broker subscriber takes (:func:`reader_options`).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from abc import abstractmethod
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Generic, Self, TypedDict, TypeVar
 
 import anyio
 import anyio.lowlevel
 
 from kvstream.codecs.base import Codec
-from kvstream.consumers.base import Continuity, Gap, SequenceTracker, Subscriber, SubscriberItem
+from kvstream.consumers.base import (
+    Continuity,
+    Gap,
+    Liveness,
+    LivenessChange,
+    LivenessTracker,
+    SequenceTracker,
+    Subscriber,
+    SubscriberItem,
+)
 from kvstream.consumers.socket import SnapshotBatch
 from kvstream.errors import ClosedError, DecodeError, KVStreamError
 from kvstream.events import EventBatch, KVCacheEvent
 from kvstream.wire.broker import (
     FromSeq,
+    Heartbeat,
     PayloadDecoder,
     SnapshotInfo,
     check_from_seq,
@@ -74,6 +93,8 @@ class ReaderOptions(TypedDict, total=False):
     retry_initial: float
     retry_max: float
     snapshots: bool | None
+    heartbeats: bool
+    on_liveness: Callable[[LivenessChange], object] | None
 
 
 class Backoff:
@@ -138,6 +159,8 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
         retry_initial: float = 0.05,
         retry_max: float = 5.0,
         snapshots: bool | None = None,
+        heartbeats: bool = False,
+        on_liveness: Callable[[LivenessChange], object] | None = None,
     ) -> None:
         self.url = url
         self.shown = shown
@@ -162,6 +185,12 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
         # The batch whose arrival showed a jump a snapshot might cover, with its
         # position in the stream (see _admit).
         self._jumped: tuple[EventBatch, Any, int] | None = None
+        #: Whether heartbeats are listened to (see the module doc).
+        self.heartbeats = heartbeats
+        self.on_liveness = on_liveness
+        self.liveness_tracker = LivenessTracker(time.monotonic)
+        #: Liveness changes reported (gone, back, restarted).
+        self.liveness_changes = 0
         # origin -> stream position of its delivered snapshot: its batches up to
         # there (of any epoch) are in the snapshot or older than it, and skipped.
         self._covered: dict[str, Any] = {}
@@ -203,6 +232,35 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
     def _position(self, text: str) -> Any:
         """A stream position (of a snapshot's info) as a value that compares in stream order."""
         return int(text)
+
+    # -- liveness -------------------------------------------------------------------
+
+    def liveness(self) -> dict[str, Liveness]:
+        """``{origin: Liveness}``: who was heard from when, and who is gone."""
+        return self.liveness_tracker.snapshot()
+
+    def _on_heartbeat(self, hb: Heartbeat) -> None:
+        self._report(self.liveness_tracker.heard(hb.origin, hb.epoch, hb.seq, hb.interval))
+
+    def _check_liveness(self) -> None:
+        if self.heartbeats:
+            self._report(self.liveness_tracker.check())
+
+    def _report(self, changes: list[LivenessChange]) -> None:
+        for change in changes:
+            self.liveness_changes += 1
+            log.warning(
+                "%s: origin %s (epoch %s) is %s",
+                self.shown,
+                change.origin,
+                change.epoch,
+                change.change,
+            )
+            if self.on_liveness is not None:
+                try:
+                    self.on_liveness(change)
+                except Exception:  # the callback's bug must not stop the reading
+                    log.exception("%s: on_liveness raised", self.shown)
 
     @property
     def snapshots(self) -> bool:
@@ -269,6 +327,8 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
         state, gap = self.tracker.check(batch)
         if state is Continuity.DUPLICATE:
             return []
+        if self.heartbeats:
+            self._report(self.liveness_tracker.heard(batch.origin, batch.epoch, batch.seq))
         if self.snapshots:
             if gap is not None:
                 self._jumped = (batch, position, gap.first_missing)
@@ -377,7 +437,8 @@ def reader_options(opts: Options, kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` with the URL options every broker subscriber takes.
 
     ``codec`` (and that codec's own options), ``follow``, ``from_seq``,
-    ``connect_timeout`` and ``snapshots``; a URL's value wins over the caller's.
+    ``connect_timeout``, ``snapshots`` and ``heartbeats``; a URL's value wins over
+    the caller's.
     """
     from kvstream.config import make_codec
 
@@ -390,4 +451,5 @@ def reader_options(opts: Options, kwargs: dict[str, Any]) -> dict[str, Any]:
     kwargs["connect_timeout"] = timeout or 5.0
     if "snapshots" in opts:
         kwargs["snapshots"] = opts.pop_bool("snapshots")
+    kwargs["heartbeats"] = opts.pop_bool("heartbeats", kwargs.pop("heartbeats", False))
     return kwargs

@@ -49,7 +49,10 @@ from kvstream.wire import nats_client
 from kvstream.wire.broker import (
     DEFAULT_SNAPSHOT_STREAM,
     DEFAULT_SUBJECT_FILTER,
+    HEARTBEAT_SUBJECT_PREFIX,
     SNAPSHOT_HEADS,
+    SUBJECT_PREFIX,
+    Heartbeat,
     SnapshotInfo,
     check_subject,
     client_url,
@@ -186,7 +189,24 @@ class NatsSubscriber(BrokerSubscriber["Client"]):
                 # Right after the oldest snapshot; the tracker drops what each one holds.
                 self._last_stream_seq = min(int(info.position) for info in used)
             self._psub = await self._bind(client)
+            if self.heartbeats:
+                await client.subscribe(self._heartbeat_filter(), cb=self._heartbeat_msg)
         self._client = client
+
+    def _heartbeat_filter(self) -> str:
+        """The heartbeats of the origins this subscriber reads (all, for a custom subject)."""
+        if self.subject.startswith(SUBJECT_PREFIX):
+            return HEARTBEAT_SUBJECT_PREFIX + self.subject[len(SUBJECT_PREFIX) :]
+        return HEARTBEAT_SUBJECT_PREFIX + ">"
+
+    async def _heartbeat_msg(self, msg: Msg) -> None:
+        try:
+            hb = Heartbeat.from_json(msg.data)
+        except DecodeError as exc:
+            self.bad_messages += 1
+            log.warning("%s: heartbeat on %s skipped: %s", self.shown, msg.subject, exc)
+            return
+        self._on_heartbeat(hb)
 
     # -- snapshots ------------------------------------------------------------------
 
@@ -410,6 +430,7 @@ class NatsSubscriber(BrokerSubscriber["Client"]):
                         await self._reconnect()
                     await self._ack(consumed)
                     msgs = await self._fetch()
+                    self._check_liveness()
                 except KVStreamError as exc:
                     if self._stopping():
                         break

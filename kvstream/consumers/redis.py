@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any, Unpack
 
@@ -47,9 +48,11 @@ from kvstream.errors import ConfigError, DecodeError, TransportError
 from kvstream.wire import redis_client
 from kvstream.wire.broker import (
     DEFAULT_REDIS_STREAM,
+    Heartbeat,
     SnapshotInfo,
     client_url,
     read_envelope,
+    redis_heartbeats_key,
     redis_position,
     redis_snapshot_index,
     redis_snapshot_key,
@@ -135,6 +138,8 @@ class RedisSubscriber(BrokerSubscriber["Redis"]):
         self.read_errors = 0
         #: Plain mode: the id of the last entry handed over (``start`` to resume from).
         self.last_id: str | None = None
+        self._beats: dict[str, int] = {}
+        self._beats_polled = 0.0
 
     def __repr__(self) -> str:
         mode = f"group={self.group!r}" if self.group else f"start={self.start!r}"
@@ -211,6 +216,34 @@ class RedisSubscriber(BrokerSubscriber["Redis"]):
     ) -> bytes | None:
         data: bytes = where  # read whole by _snapshot_heads (one GET: consistent)
         return data
+
+    async def _poll_heartbeats(self) -> None:
+        """Read the heartbeat hash (at most every ``block`` seconds): a changed beat is a
+        sign of life; then judge who is gone."""
+        now = time.monotonic()
+        client = self._client
+        if client is None or now - self._beats_polled < min(self.block, 1.0):
+            self._check_liveness()
+            return
+        self._beats_polled = now
+        redis = redis_client.require_redis()
+        try:
+            fields = await client.hgetall(redis_heartbeats_key(self.stream))
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise TransportError(
+                f"{self.shown}: reading heartbeats failed: {redis_client.describe_error(exc)}"
+            ) from exc
+        for raw in fields.values():
+            try:
+                hb = Heartbeat.from_json(raw)
+            except DecodeError as exc:
+                self.bad_entries += 1
+                log.warning("%s: heartbeat skipped: %s", self.shown, exc)
+                continue
+            if self._beats.get(hb.origin) != hb.beat:
+                self._beats[hb.origin] = hb.beat
+                self._on_heartbeat(hb)
+        self._check_liveness()
 
     async def _disconnect(self) -> None:
         client, self._client = self._client, None
@@ -294,6 +327,8 @@ class RedisSubscriber(BrokerSubscriber["Redis"]):
                     # Wait for new entries only when following (pending ones are there).
                     wait = self.follow and pending_cursor is None
                     entries = await self._read_entries(cursor, wait)
+                    if self.heartbeats:
+                        await self._poll_heartbeats()
                 except (TransportError, ConfigError) as exc:
                     if self._stopping():
                         break

@@ -717,8 +717,8 @@ class Heartbeats:
             await anyio.sleep(self.interval)
             now = self._clock()
             for origin, (epoch, seq, when) in list(self._last.items()):
-                if now - when < self.interval * 0.95:
-                    continue  # a batch was a sign of life
+                if now - when < self.interval * 0.5:
+                    continue  # a recent batch was the sign of life (silence stays <= 1.5 x)
                 self._beats += 1
                 try:
                     await self._beat(Heartbeat(origin, epoch, seq, self.interval, self._beats))

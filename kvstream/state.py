@@ -361,18 +361,34 @@ class StateKeeper:
 
     def snapshot(self, origin: str) -> Snapshot:
         """``origin``'s state as of the last batch applied; :class:`StateError` if unknown."""
+        head = self.snapshot_header(origin)
+        return head._replace(events=list(self.snapshot_events(origin)))
+
+    def snapshot_header(self, origin: str) -> Snapshot:
+        """:meth:`snapshot` without its events (``events`` is empty; ``blocks`` is right).
+
+        With :meth:`snapshot_events`, a caller can encode a large snapshot a slice at
+        a time without holding all its events at once; the keeper must not be
+        given batches until the events are all taken.
+        """
         o = self._origins.get(origin)
         if o is None:
             raise StateError(f"StateKeeper: origin {origin!r} was never seen")
         if o.unknown is not None:
             raise StateError(f"StateKeeper: the state of origin {origin!r} is unknown: {o.unknown}")
-        events: list[KVCacheEvent] = [AllBlocksCleared()]
-        blocks = 0
+        blocks = sum(len(t) for t in o.tiers.values())
+        return Snapshot(origin, o.epoch, o.next_seq, o.rank, o.ts, [], blocks)
+
+    def snapshot_events(self, origin: str) -> Iterator[KVCacheEvent]:
+        """The events of ``origin``'s snapshot, one at a time (see :meth:`snapshot_header`)."""
+        o = self._origins.get(origin)
+        if o is None or o.unknown is not None:
+            self.snapshot_header(origin)  # raises the reason
+            return
+        yield AllBlocksCleared()
         for medium, tier in o.tiers.items():
             for run in _runs(tier):
-                events.append(_stored(medium, run, tier))
-                blocks += len(run)
-        return Snapshot(origin, o.epoch, o.next_seq, o.rank, o.ts, events, blocks)
+                yield _stored(medium, run, tier)
 
 
 def _parent_order(tier: dict[BlockHash, HeldBlock]) -> Iterator[BlockHash]:

@@ -275,7 +275,10 @@ class RedisSink(Sink):
             return False
         snap, position = taken
         parts: list[bytes] = []
-        for part in snapshot_parts(snap):  # encode a slice at a time; let others run between
+        # A slice at a time, letting other tasks run between slices. Nothing changes
+        # the state meanwhile: only this sink's writer gives it batches, and it is here.
+        events = snapshots.keeper.snapshot_events(origin)
+        for part in snapshot_parts(snap, events):
             parts.append(part)
             await anyio.lowlevel.checkpoint()
         info = SnapshotInfo(

@@ -60,7 +60,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 from urllib.parse import quote, unquote, urlsplit
 
@@ -71,7 +71,7 @@ import orjson
 from kvstream.codecs.base import Codec
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ConfigError, DecodeError, KVStreamError
-from kvstream.events import EventBatch
+from kvstream.events import BlockStored, EventBatch, KVCacheEvent
 
 if TYPE_CHECKING:
     from kvstream.config import Options
@@ -426,8 +426,8 @@ def start_seq(from_seq: FromSeq, origin: str) -> int | None:
 DEFAULT_SNAPSHOT_STREAM: Final = "KV_SNAPSHOTS"
 SNAPSHOT_SUBJECT_PREFIX: Final = "kv.snapshot."
 HEARTBEAT_SUBJECT_PREFIX: Final = "kv.heartbeat."
-#: Events per encoded part of a snapshot (what one encode call handles).
-SNAPSHOT_PART_EVENTS: Final = 512
+#: Blocks per encoded part of a snapshot, about (what one slice of work handles).
+SNAPSHOT_PART_BLOCKS: Final = 2048
 _MAGIC: Final = b"KVSNAP1\n"
 
 
@@ -478,24 +478,33 @@ class SnapshotInfo(NamedTuple):
         return info._replace(parts=tuple(info.parts), ts=float(info.ts))
 
 
-def snapshot_parts(snapshot: Snapshot) -> Iterator[bytes]:
-    """The snapshot's events, :data:`SNAPSHOT_PART_EVENTS` at a time, each encoded as a batch.
-
-    A generator, so that a caller can let other tasks run between parts.
+def snapshot_parts(
+    snapshot: Snapshot, events: Iterable[KVCacheEvent] | None = None
+) -> Iterator[bytes]:
+    """The snapshot's events (``events``, else ``snapshot.events``) in slices of about
+    :data:`SNAPSHOT_PART_BLOCKS` blocks, each slice encoded as the batch
+    ``resume_seq - 1``. A generator, so that a caller can let other tasks run
+    between parts (and ``events`` can be made as they are encoded).
     """
     codec = JsonCodec()
-    events = snapshot.events
     seq = snapshot.resume_seq - 1
-    for start in range(0, max(len(events), 1), SNAPSHOT_PART_EVENTS):
-        part = EventBatch._trusted(
-            seq,
-            snapshot.ts,
-            events[start : start + SNAPSHOT_PART_EVENTS],
-            snapshot.data_parallel_rank,
-            snapshot.origin,
-            snapshot.epoch,
-        )
-        yield codec.encode(part)
+    chunk: list[KVCacheEvent] = []
+    blocks = 0
+    for event in snapshot.events if events is None else events:
+        chunk.append(event)
+        if type(event) is BlockStored:
+            blocks += len(event.block_hashes)
+        if blocks >= SNAPSHOT_PART_BLOCKS:
+            yield codec.encode(_part(snapshot, seq, chunk))
+            chunk, blocks = [], 0
+    if chunk:
+        yield codec.encode(_part(snapshot, seq, chunk))
+
+
+def _part(snapshot: Snapshot, seq: int, events: list[KVCacheEvent]) -> EventBatch:
+    return EventBatch._trusted(
+        seq, snapshot.ts, events, snapshot.data_parallel_rank, snapshot.origin, snapshot.epoch
+    )
 
 
 def snapshot_envelope(info: SnapshotInfo, parts: list[bytes]) -> bytes:
@@ -649,9 +658,10 @@ class SinkSnapshots:
         return self.schedule.due(batch)
 
     def take(self, origin: str) -> tuple[Snapshot, str] | None:
-        """The origin's snapshot and its position, or None (logged once) if unknown."""
+        """The origin's snapshot header (its events: ``keeper.snapshot_events``) and its
+        position, or None (logged once) if its state is unknown."""
         try:
-            snap = self.keeper.snapshot(origin)
+            snap = self.keeper.snapshot_header(origin)
         except StateError as exc:
             if origin not in self._warned:
                 self._warned.add(origin)

@@ -53,6 +53,8 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final, NamedTuple
 
+import msgspec
+
 from kvstream.errors import ConfigError, KVStreamError
 from kvstream.events import (
     AllBlocksCleared,
@@ -80,9 +82,10 @@ DEFAULT_MAX_BYTES: Final = 1 << 30
 #: At most this many blocks in one ``BlockStored`` of a snapshot.
 SNAPSHOT_EVENT_BLOCKS: Final = 256
 
-# What one held block costs beyond its tokens: the tier's dict slot, the record
-# tuple, the hash and parent ints (measured with tracemalloc on CPython 3.11:
-# about 190 bytes; the estimate errs above it).
+# What one held block costs beyond its tokens: the tier's dict slot, the record,
+# its token array's header, the hash and parent ints. benchmarks/bench_snapshot.py
+# traces about 185 bytes (313 per block of 16 tokens) on CPython 3.11; the
+# estimate errs above it.
 _BLOCK_BYTES: Final = 200
 _TOKEN_BYTES: Final = 8
 _EXTRA_BYTES: Final = 64
@@ -96,7 +99,7 @@ class StateLimitError(StateError):
     """Storing more would pass the keeper's ``max_bytes``; the origin's state is dropped."""
 
 
-class BlockShape(NamedTuple):
+class BlockShape(msgspec.Struct, frozen=True, gc=False):
     """What the blocks of one ``BlockStored`` share (one object for all of them)."""
 
     block_size: int
@@ -108,8 +111,12 @@ class BlockShape(NamedTuple):
     locality: str | None
 
 
-class HeldBlock(NamedTuple):
-    """One block a tier holds: enough to announce it again."""
+class HeldBlock(msgspec.Struct, frozen=True, gc=False):
+    """One block a tier holds: enough to announce it again.
+
+    Not tracked by the garbage collector (``gc=False``: it holds no cycles), so a
+    keeper of millions of blocks costs a full collection nothing.
+    """
 
     parent: BlockHash | None
     #: ``block_size`` token ids, or None for a placeholder (block size 0).
@@ -331,18 +338,23 @@ class StateKeeper:
         extra = event.extra_keys
         parent = event.parent_block_hash
         added = 0
+        packed = None if placeholder else array("Q", tokens)  # one conversion per event
+        fixed = _BLOCK_BYTES + (0 if placeholder else _TOKEN_BYTES * size)
+        get = tier.get
         for i, h in enumerate(event.block_hashes):
-            old = tier.get(h)
-            if placeholder and old is not None and old.tokens is not None:
+            old = get(h)
+            if old is not None and placeholder and old.tokens is not None:
                 parent = h  # the block is held with its tokens: keep them
                 continue
             block = HeldBlock(
                 parent,
-                None if placeholder else array("Q", tokens[i * size : (i + 1) * size]),
+                None if packed is None else packed[i * size : (i + 1) * size],
                 None if extra is None else extra[i],
                 shape,
             )
-            cost = _cost(block) - (0 if old is None else _cost(old))
+            cost = fixed if extra is None and type(parent) is not bytes else _cost(block)
+            if old is not None:
+                cost -= _cost(old)
             tier[h] = block
             added += cost
             parent = h
@@ -394,21 +406,27 @@ class StateKeeper:
 def _parent_order(tier: dict[BlockHash, HeldBlock]) -> Iterator[BlockHash]:
     """Every hash of ``tier`` once, each after its parent when the tier holds the parent."""
     done: set[BlockHash] = set()
-    for h in tier:
+    add = done.add
+    for h, block in tier.items():
         if h in done:
+            continue
+        parent = block.parent
+        if parent is None or parent in done or parent not in tier:
+            add(h)  # the usual case: stored after its parent
+            yield h
             continue
         path: list[BlockHash] = []
         on_path: set[BlockHash] = set()
         cur: BlockHash | None = h
         while cur is not None and cur not in done and cur not in on_path:
-            block = tier.get(cur)
-            if block is None:
+            held = tier.get(cur)
+            if held is None:
                 break
             path.append(cur)
             on_path.add(cur)
-            cur = block.parent
+            cur = held.parent
         for x in reversed(path):
-            done.add(x)
+            add(x)
             yield x
 
 
@@ -416,13 +434,14 @@ def _runs(tier: dict[BlockHash, HeldBlock]) -> Iterator[list[BlockHash]]:
     """The hashes in parent order, cut into chains one ``BlockStored`` can carry."""
     run: list[BlockHash] = []
     last: HeldBlock | None = None
+    limit = SNAPSHOT_EVENT_BLOCKS
     for h in _parent_order(tier):
         block = tier[h]
         if (
             last is not None
-            and len(run) < SNAPSHOT_EVENT_BLOCKS
+            and len(run) < limit
             and block.parent == run[-1]
-            and block.shape == last.shape
+            and (block.shape is last.shape or block.shape == last.shape)
             and (block.tokens is None) == (last.tokens is None)
         ):
             run.append(h)

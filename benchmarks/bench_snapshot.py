@@ -19,6 +19,9 @@ token ids below 32000, stored in chains of 512 blocks, 16 blocks per event):
 * **baseline** (same run): encoding with the same JSON codec the batches that
   built the state: what a consumer would have to be sent, at the least, to
   rebuild the state from the stream instead.
+* with ``--nats URL`` / ``--redis URL`` (a running server): wall time of a
+  sink publishing the snapshot (``publish_snapshot``) and of a subscriber
+  reading it back into one ``SnapshotBatch``, once each.
 
 Medians of ``--repeat`` runs after a warm-up (the keep step once: it builds the
 state the others use). CPU time of this process (the machines are shared).
@@ -160,6 +163,50 @@ def run(n_blocks: int, repeat: int) -> dict[str, Any]:
     }
 
 
+async def _through_brokers(
+    batches: list[EventBatch], nats_url: str | None, redis_url: str | None
+) -> dict[str, float]:
+    from kvstream.consumers.nats import NatsSubscriber
+    from kvstream.consumers.redis import RedisSubscriber
+    from kvstream.sinks.nats import NatsSink
+    from kvstream.sinks.redis import RedisSink
+
+    out: dict[str, float] = {}
+    cases: list[tuple[str, Any, Any]] = []
+    if nats_url:
+        cases.append(
+            (
+                "nats",
+                NatsSink(nats_url, create=True, snapshot_every=10**9),
+                NatsSubscriber(nats_url, follow=False),
+            )
+        )
+    if redis_url:
+        cases.append(
+            (
+                "redis",
+                RedisSink(redis_url, snapshot_every=10**9),
+                RedisSubscriber(redis_url, follow=False, snapshots=False),
+            )
+        )
+    for name, sink, sub in cases:
+        async with sink:
+            for i, b in enumerate(batches):  # the state, as if these were delivered
+                sink.snapshots.delivered(b, str(i + 1))
+            start = time.perf_counter()
+            ok = await sink.publish_snapshot("bench")
+            out[f"{name}_publish_wall_s"] = time.perf_counter() - start
+            assert ok, f"{name}: the snapshot was not published"
+        async with sub:
+            client = sub._client
+            start = time.perf_counter()
+            heads = await sub._snapshot_heads(client, "bench")
+            snap = await sub._load_snapshot(client, heads[0][0], heads[0][1], 0)
+            out[f"{name}_read_wall_s"] = time.perf_counter() - start
+            assert snap is not None, f"{name}: the snapshot was not read back"
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -168,9 +215,16 @@ def main() -> int:
     p.add_argument("--blocks", type=int, help="blocks held (overrides --quick)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per step (median)")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON ('-': stdout)")
+    p.add_argument("--nats", metavar="URL", help="also publish and read it through NATS")
+    p.add_argument("--redis", metavar="URL", help="also write and read it through Redis")
     args = p.parse_args()
     n = args.blocks or (100_000 if args.quick else 1_000_000)
     result = run(n, max(args.repeat, 1))
+    if args.nats or args.redis:
+        import anyio
+
+        batches = _batches(n)
+        result.update(anyio.run(_through_brokers, batches, args.nats, args.redis))
     report = {
         "command": " ".join(["python", *sys.argv]),
         "python": platform.python_version(),
@@ -202,6 +256,12 @@ def main() -> int:
         f"  baseline: encode the stream that built it {r['baseline_stream_encode_s']:.2f} s "
         f"-> {r['baseline_stream_bytes'] * mb:.1f} MiB"
     )
+    for name in ("nats", "redis"):
+        if f"{name}_publish_wall_s" in r:
+            print(
+                f"  {name}: publish {r[f'{name}_publish_wall_s']:.2f} s, "
+                f"read back {r[f'{name}_read_wall_s']:.2f} s (wall)"
+            )
     return 0
 
 

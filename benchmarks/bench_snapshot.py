@@ -21,7 +21,7 @@ token ids below 32000, stored in chains of 512 blocks, 16 blocks per event):
   rebuild the state from the stream instead.
 * with ``--nats URL`` / ``--redis URL`` (a running server): wall time of a
   sink publishing the snapshot (``publish_snapshot``) and of a subscriber
-  reading it back into one ``SnapshotBatch``, once each.
+  reading it back into one ``SnapshotBatch`` (medians of ``--repeat``).
 
 Medians of ``--repeat`` runs after a warm-up (the keep step once: it builds the
 state the others use). CPU time of this process (the machines are shared).
@@ -164,7 +164,7 @@ def run(n_blocks: int, repeat: int) -> dict[str, Any]:
 
 
 async def _through_brokers(
-    batches: list[EventBatch], nats_url: str | None, redis_url: str | None
+    batches: list[EventBatch], nats_url: str | None, redis_url: str | None, repeat: int
 ) -> dict[str, float]:
     from kvstream.consumers.nats import NatsSubscriber
     from kvstream.consumers.redis import RedisSubscriber
@@ -190,20 +190,26 @@ async def _through_brokers(
             )
         )
     for name, sink, sub in cases:
+        publish: list[float] = []
+        read: list[float] = []
         async with sink:
             for i, b in enumerate(batches):  # the state, as if these were delivered
                 sink.snapshots.delivered(b, str(i + 1))
-            start = time.perf_counter()
-            ok = await sink.publish_snapshot("bench")
-            out[f"{name}_publish_wall_s"] = time.perf_counter() - start
-            assert ok, f"{name}: the snapshot was not published"
+            for _ in range(repeat):
+                start = time.perf_counter()
+                ok = await sink.publish_snapshot("bench")
+                publish.append(time.perf_counter() - start)
+                assert ok, f"{name}: the snapshot was not published"
         async with sub:
             client = sub._client
-            start = time.perf_counter()
-            heads = await sub._snapshot_heads(client, "bench")
-            snap = await sub._load_snapshot(client, heads[0][0], heads[0][1], 0)
-            out[f"{name}_read_wall_s"] = time.perf_counter() - start
-            assert snap is not None, f"{name}: the snapshot was not read back"
+            for _ in range(repeat):
+                start = time.perf_counter()
+                heads = await sub._snapshot_heads(client, "bench")
+                snap = await sub._load_snapshot(client, heads[0][0], heads[0][1], 0)
+                read.append(time.perf_counter() - start)
+                assert snap is not None, f"{name}: the snapshot was not read back"
+        out[f"{name}_publish_wall_s"] = statistics.median(publish)
+        out[f"{name}_read_wall_s"] = statistics.median(read)
     return out
 
 
@@ -224,7 +230,7 @@ def main() -> int:
         import anyio
 
         batches = _batches(n)
-        result.update(anyio.run(_through_brokers, batches, args.nats, args.redis))
+        result.update(anyio.run(_through_brokers, batches, args.nats, args.redis, args.repeat))
     report = {
         "command": " ".join(["python", *sys.argv]),
         "python": platform.python_version(),

@@ -138,6 +138,7 @@ class NatsSubscriber(BrokerSubscriber["Client"]):
                 f"position, which a snapshot would contradict; drop durable or snapshots"
             )
         self.snapshot_stream = snapshot_stream
+        self._snapshot_direct: bool | None = None  # known at the first read of the stream
         self.subject = subject
         self.stream = stream
         self.durable = durable
@@ -221,12 +222,19 @@ class NatsSubscriber(BrokerSubscriber["Client"]):
         stream = self.snapshot_stream
         heads: list[Any] = []
         try:
+            if self._snapshot_direct is None:
+                stream_info = await jsm.stream_info(stream)
+                self._snapshot_direct = bool(stream_info.config.allow_direct)
+            direct = self._snapshot_direct
             if origin is not None:
-                heads.append(await jsm.get_last_msg(stream, snapshot_subjects(origin)[0]))
+                head = snapshot_subjects(origin)[0]
+                heads.append(await jsm.get_msg(stream, subject=head, direct=direct))
             else:
                 seq = 1
                 while True:
-                    msg = await jsm.get_msg(stream, seq=seq, subject=SNAPSHOT_HEADS, next=True)
+                    msg = await jsm.get_msg(
+                        stream, seq=seq, subject=SNAPSHOT_HEADS, next=True, direct=direct
+                    )
                     heads.append(msg)
                     seq = int(msg.seq or seq) + 1
         except nats.js.errors.NotFoundError:
@@ -261,7 +269,11 @@ class NatsSubscriber(BrokerSubscriber["Client"]):
         try:
             while True:
                 msg = await jsm.get_msg(
-                    self.snapshot_stream, seq=seq, subject=part_subject, next=True
+                    self.snapshot_stream,
+                    seq=seq,
+                    subject=part_subject,
+                    next=True,
+                    direct=bool(self._snapshot_direct),
                 )
                 got = int(msg.seq or 0)
                 if got > last:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import orjson
 import pytest
 from servers import NatsServer, RedisServer, nats_servers, redis_servers, wait_until
 
@@ -26,7 +27,7 @@ from kvstream.consumers.base import (
     SubscriberItem,
 )
 from kvstream.consumers.socket import SnapshotBatch
-from kvstream.events import AllBlocksCleared, EventBatch
+from kvstream.events import AllBlocksCleared, BlockStored, EventBatch
 from kvstream.sim import SimulatedEngine
 from kvstream.sinks.base import Sink
 from kvstream.state import StateKeeper
@@ -383,3 +384,71 @@ async def test_a_scheduler_publishing_through_a_snapshotting_sink(broker: Broker
         await consumer.catch_up(reference)
     finally:
         await consumer.sub.aclose()
+
+
+async def test_a_snapshot_that_fails_half_way_leaves_the_last_one_whole(
+    nats_servers: Callable[..., NatsServer],
+) -> None:
+    """NATS: the snapshot stream runs out of room in the middle of a snapshot (some parts
+    stored, no head): readers keep the previous snapshot; the failure is counted."""
+    import nats
+    from nats.js.api import DiscardPolicy, StreamConfig
+
+    server = nats_servers()
+    client = await nats.connect(server.url)
+    try:
+        await client.jsm().add_stream(
+            StreamConfig(
+                name="KV_SNAPSHOTS",
+                subjects=["kv.snapshot.>"],
+                allow_rollup_hdrs=True,
+                max_bytes=3_000_000,
+                discard=DiscardPolicy.NEW,
+            )
+        )
+        publisher = Publisher(random.Random(9))
+        url = f"nats://127.0.0.1:{server.port}?create=true&snapshot_every=1"
+        async with open_sink(url) as sink:
+            await _publish(sink, publisher, 2)
+            snaps = sink.snapshots  # type: ignore[attr-defined]
+            assert snaps.failed == 0
+            # Big batches (each below max_payload): soon a snapshot does not fit in what
+            # the snapshot stream has left.
+            for k in range(12):
+                seq = publisher.seq["eng-a"]
+                publisher.seq["eng-a"] += 1
+                first = 10**9 + k * 10**6
+                big = EventBatch(
+                    seq=seq,
+                    ts=0.0,
+                    events=[
+                        BlockStored(
+                            block_hashes=list(range(first + i * 1000, first + (i + 1) * 1000)),
+                            parent_block_hash=None,
+                            token_ids=list(range(4000)),
+                            block_size=4,
+                            medium="DISK",
+                        )
+                        for i in range(15)
+                    ],
+                    origin="eng-a",
+                    epoch=f"eng-a-{publisher.epoch}",
+                )
+                publisher.reference.apply(big)
+                await sink.put(big)
+            await wait_until(lambda: sink.statistics().batches_out >= 14)
+            assert snaps.failed >= 1
+            info = await client.jsm().stream_info("KV_SNAPSHOTS")
+            assert info.state.messages > 4  # parts of the failed ones are there
+            head = await client.jsm().get_last_msg("KV_SNAPSHOTS", snapshot_subjects("eng-a")[0])
+            resume = orjson.loads(head.data)["info"]["resume_seq"]
+            assert resume < publisher.seq["eng-a"]  # ... and the head is an older, whole one
+            await _publish(sink, publisher, 3)  # the stream goes on
+        consumer = await _open_consumer(Broker("nats", server.port))
+        try:
+            await consumer.catch_up(publisher.reference)
+            assert consumer.snapshots >= 1
+        finally:
+            await consumer.sub.aclose()
+    finally:
+        await client.close()

@@ -391,7 +391,7 @@ class NatsSink(Sink):
         """Publish ``origin``'s snapshot now; False when there is none to publish or it failed.
 
         A failure is logged and counted (``snapshots.failed``) and does not fail
-        the batch that made it due: the next batch tries again.
+        the batch that made it due; the next snapshot is tried when it is due again.
         """
         nats = nats_client.require_nats()
         snapshots = self.snapshots
@@ -447,8 +447,9 @@ class NatsSink(Sink):
                 )
         except (nats.errors.Error, OSError) as exc:
             snapshots.failed += 1
+            snapshots.schedule.taken(origin, snap.epoch)  # not again at once: when next due
             log.warning(
-                "%s: snapshot of %s not published (retried at the next batch): %s",
+                "%s: snapshot of %s not published (tried again when the next is due): %s",
                 self.name,
                 origin,
                 nats_client.describe_error(exc),

@@ -263,7 +263,7 @@ class RedisSink(Sink):
         """Write ``origin``'s snapshot now; False when there is none to write or it failed.
 
         A failure is logged and counted (``snapshots.failed``) and does not fail
-        the batch that made it due: the next batch tries again.
+        the batch that made it due; the next snapshot is tried when it is due again.
         """
         redis = redis_client.require_redis()
         snapshots = self.snapshots
@@ -299,8 +299,9 @@ class RedisSink(Sink):
                 await pipe.execute()
         except (redis.exceptions.RedisError, OSError) as exc:
             snapshots.failed += 1
+            snapshots.schedule.taken(origin, snap.epoch)  # not again at once: when next due
             log.warning(
-                "%s: snapshot of %s not written (retried at the next batch): %s",
+                "%s: snapshot of %s not written (tried again when the next is due): %s",
                 self.name,
                 origin,
                 redis_client.describe_error(exc),

@@ -662,7 +662,7 @@ class SinkSnapshots:
         self.schedule = SnapshotSchedule(every, interval, clock=clock)
         self._positions: dict[str, str] = {}
         self._warned: set[str] = set()
-        #: Snapshots published, and publications that failed (retried at the next batch).
+        #: Snapshots published, and publications that failed (tried again when next due).
         self.published = 0
         self.failed = 0
 

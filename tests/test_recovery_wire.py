@@ -15,6 +15,7 @@ from kvstream.wire.broker import (
     SinkSnapshots,
     SnapshotInfo,
     read_envelope,
+    read_envelope_info,
     snapshot_envelope,
     snapshot_key,
     snapshot_parts,
@@ -172,3 +173,13 @@ def test_url_options_configure_snapshots_and_heartbeats() -> None:
         open_subscriber("nats://127.0.0.1:4333?durable=me&snapshots=true")
     with pytest.raises(ConfigError, match="a group"):
         open_subscriber("redis://127.0.0.1:6390/s?group=g&snapshots=true")
+
+
+def test_the_info_is_read_from_the_first_bytes_of_an_envelope() -> None:
+    data = snapshot_envelope(_info(), list(snapshot_parts(_keeper(10).snapshot("o"))))
+    info = read_envelope_info(data[:200], "here")
+    assert info is not None
+    assert (info.origin, info.position) == ("o", "7")
+    assert read_envelope_info(data[:12], "here") is None  # the line is not complete yet
+    with pytest.raises(DecodeError, match="not a kvstream snapshot"):
+        read_envelope_info(b"xx", "here")

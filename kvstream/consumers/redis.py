@@ -52,6 +52,7 @@ from kvstream.wire.broker import (
     SnapshotInfo,
     client_url,
     read_envelope,
+    read_envelope_info,
     redis_heartbeats_key,
     redis_position,
     redis_snapshot_index,
@@ -68,6 +69,9 @@ if TYPE_CHECKING:
 __all__ = ["RedisSubscriber", "subscriber_from_url"]
 
 log = logging.getLogger("kvstream.consumers")
+
+#: Bytes of a snapshot read to find its info line (a few hundred, unless it has many parts).
+_INFO_BYTES = 65536
 
 
 def _text(value: object) -> str:
@@ -195,16 +199,22 @@ class RedisSubscriber(BrokerSubscriber["Redis"]):
                 origins = [origin]
             out: list[tuple[SnapshotInfo, Any]] = []
             for name in origins:
-                data = await client.get(redis_snapshot_key(self.stream, name))
-                if not isinstance(data, bytes):
+                key = redis_snapshot_key(self.stream, name)
+                # The info line first (a gap may find the snapshot too old to read whole).
+                head = await client.getrange(key, 0, _INFO_BYTES - 1)
+                if not isinstance(head, bytes) or not head:
                     continue
                 try:
-                    info, _ = read_envelope(data, f"{self.shown}: snapshot of {name}")
+                    info = read_envelope_info(head, f"{self.shown}: snapshot of {name}")
+                    if info is None:  # a longer info line than we read: read it all
+                        whole = await client.get(key)
+                        data = whole if isinstance(whole, bytes) else b""
+                        info = read_envelope(data, f"{self.shown}: snapshot of {name}")[0]
                 except DecodeError as exc:
                     self.bad_snapshots += 1
                     log.warning("%s: %s", self.shown, exc)
                     continue
-                out.append((info, data))
+                out.append((info, key))
             return out
         except (redis.exceptions.RedisError, OSError) as exc:
             raise TransportError(
@@ -214,8 +224,17 @@ class RedisSubscriber(BrokerSubscriber["Redis"]):
     async def _snapshot_envelope(
         self, client: Redis, info: SnapshotInfo, where: Any
     ) -> bytes | None:
-        data: bytes = where  # read whole by _snapshot_heads (one GET: consistent)
-        return data
+        redis = redis_client.require_redis()
+        try:
+            data = await client.get(where)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise TransportError(
+                f"{self.shown}: reading the snapshot of {info.origin} failed: "
+                f"{redis_client.describe_error(exc)}"
+            ) from exc
+        # One GET: consistent. A newer one written since the info was read is refused
+        # by the caller (the info differs) and the gap stays a gap.
+        return data if isinstance(data, bytes) else None
 
     async def _poll_heartbeats(self) -> None:
         """Read the heartbeat hash (at most every ``block`` seconds): a changed beat is a

@@ -116,6 +116,7 @@ __all__ = [
     "nats_headers",
     "nats_headers_size",
     "read_envelope",
+    "read_envelope_info",
     "redis_fields",
     "redis_heartbeats_key",
     "redis_position",
@@ -534,6 +535,16 @@ def snapshot_envelope(info: SnapshotInfo, parts: list[bytes]) -> bytes:
     for p in parts:
         out += p
     return bytes(out)
+
+
+def read_envelope_info(head: bytes, where: str) -> SnapshotInfo | None:
+    """The info of an envelope from its first bytes; None when ``head`` ends before it."""
+    if not head.startswith(_MAGIC):
+        raise DecodeError(f"{where}: not a kvstream snapshot (expected {_MAGIC[:-1]!r} first)")
+    end = head.find(b"\n", len(_MAGIC))
+    if end < 0:
+        return None
+    return SnapshotInfo.from_json(head[len(_MAGIC) : end], where)
 
 
 def read_envelope(data: bytes, where: str) -> tuple[SnapshotInfo, list[memoryview]]:

@@ -160,7 +160,7 @@ def test_url_options_configure_snapshots_and_heartbeats() -> None:
     assert open_sink("redis://127.0.0.1:6390/s").snapshots is None  # type: ignore[attr-defined]
     with pytest.raises(ConfigError, match="heartbeat: expected a number >= 0, got '-1'"):
         open_sink("redis://127.0.0.1:6390/s?heartbeat=-1")
-    with pytest.raises(ConfigError, match="heartbeat: expected seconds > 0, got 0.0"):
+    with pytest.raises(ConfigError, match=r"heartbeat: expected seconds > 0, got 0\.0"):
         open_sink("redis://127.0.0.1:6390/s?heartbeat=0")
     with pytest.raises(ConfigError, match="snapshot_stream"):
         open_sink("nats://127.0.0.1:4333?snapshot_every=1&snapshot_stream=a.b")

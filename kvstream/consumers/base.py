@@ -18,16 +18,19 @@ not repair are reported as :class:`Gap` items, never hidden.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from enum import Enum
 from types import TracebackType
-from typing import NamedTuple, Self, TypeAlias
+from typing import Literal, NamedTuple, Self, TypeAlias
 
 from kvstream.events import EventBatch
 
 __all__ = [
     "Continuity",
     "Gap",
+    "Liveness",
+    "LivenessChange",
+    "LivenessTracker",
     "SequenceTracker",
     "Subscriber",
     "SubscriberItem",
@@ -132,3 +135,102 @@ class Subscriber(ABC):
     @abstractmethod
     async def aclose(self) -> None:
         """Release the connection. Idempotent."""
+
+
+# -- liveness (heartbeats) --------------------------------------------------------------
+
+
+class Liveness(NamedTuple):
+    """What a subscriber knows of whether an origin's publisher is there."""
+
+    origin: str
+    epoch: str
+    #: The last seq the publisher announced or delivered (-1: none).
+    last_seq: int
+    #: The heartbeat interval it announced (None: it sends no heartbeats, and is
+    #: never judged gone).
+    interval: float | None
+    alive: bool
+    #: Seconds since it was last heard from (a batch or a heartbeat).
+    silent_for: float
+
+
+class LivenessChange(NamedTuple):
+    """An origin's publisher went silent for two heartbeat intervals (``gone``), came
+    back in the same epoch (``back``), or came back with a new epoch (``restarted``:
+    everything it held is gone; a new epoch's batches say so too)."""
+
+    origin: str
+    epoch: str
+    change: Literal["gone", "back", "restarted"]
+
+
+class _Heard:
+    __slots__ = ("alive", "epoch", "interval", "last_seq", "when")
+
+    def __init__(self, epoch: str, seq: int, interval: float | None, when: float) -> None:
+        self.epoch = epoch
+        self.last_seq = seq
+        self.interval = interval
+        self.alive = True
+        self.when = when
+
+
+class LivenessTracker:
+    """Sans-IO: who was heard from when; see :class:`LivenessChange` for what it reports.
+
+    The contract: a publisher that sends heartbeats every ``interval`` seconds
+    while idle is **gone** once nothing (no batch, no heartbeat) was heard from it
+    for ``2 * interval``. :meth:`check` finds those; subscribers call it at least
+    once per read (a read waits at most their poll interval).
+    """
+
+    __slots__ = ("_clock", "_origins")
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._origins: dict[str, _Heard] = {}
+
+    def heard(
+        self, origin: str, epoch: str, seq: int, interval: float | None = None
+    ) -> list[LivenessChange]:
+        """A batch (``interval`` None) or a heartbeat of ``origin``."""
+        now = self._clock()
+        known = self._origins.get(origin)
+        if known is None:
+            self._origins[origin] = _Heard(epoch, seq, interval, now)
+            return []
+        changes: list[LivenessChange] = []
+        if known.epoch != epoch:
+            changes.append(LivenessChange(origin, epoch, "restarted"))
+        elif not known.alive:
+            changes.append(LivenessChange(origin, epoch, "back"))
+        known.epoch = epoch
+        known.last_seq = seq
+        if interval is not None:
+            known.interval = interval
+        known.alive = True
+        known.when = now
+        return changes
+
+    def check(self) -> list[LivenessChange]:
+        """The origins silent for two of their intervals since the last check: now gone."""
+        now = self._clock()
+        gone: list[LivenessChange] = []
+        for origin, known in self._origins.items():
+            interval = known.interval
+            if known.alive and interval is not None and now - known.when > 2 * interval:
+                known.alive = False
+                gone.append(LivenessChange(origin, known.epoch, "gone"))
+        return gone
+
+    def forget(self, origin: str) -> None:
+        self._origins.pop(origin, None)
+
+    def snapshot(self) -> dict[str, Liveness]:
+        """``{origin: Liveness}`` as of now."""
+        now = self._clock()
+        return {
+            o: Liveness(o, k.epoch, k.last_seq, k.interval, k.alive, now - k.when)
+            for o, k in self._origins.items()
+        }

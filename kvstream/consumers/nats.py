@@ -23,6 +23,13 @@ needs its own name; readers sharing one share the messages. Without a durable
 name the consumer is ephemeral. Either way, when the server goes away the
 subscriber reconnects with backoff and continues after the last message it
 handed over.
+
+Snapshots (see :mod:`kvstream.consumers.broker`): read from the stream
+``snapshot_stream`` (default ``KV_SNAPSHOTS``) that a :class:`~kvstream.sinks.nats.NatsSink`
+with ``snapshot_every``/``snapshot_interval`` writes. On a cold start with
+snapshots found, the consumer starts at the stream sequence after the oldest
+snapshot's position, whatever ``deliver`` says. Not with ``durable``: a durable
+consumer resumes a position of its own, which a snapshot would contradict.
 """
 
 from __future__ import annotations
@@ -33,12 +40,25 @@ from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any, Final, Literal, Unpack
 
 import anyio
+import orjson
 
 from kvstream.consumers.base import Subscriber, SubscriberItem
 from kvstream.consumers.broker import BrokerSubscriber, ReaderOptions, reader_options
 from kvstream.errors import ConfigError, DecodeError, KVStreamError, TransportError
 from kvstream.wire import nats_client
-from kvstream.wire.broker import DEFAULT_SUBJECT_FILTER, check_subject, client_url
+from kvstream.wire.broker import (
+    DEFAULT_SNAPSHOT_STREAM,
+    DEFAULT_SUBJECT_FILTER,
+    HEARTBEAT_SUBJECT_PREFIX,
+    SNAPSHOT_HEADS,
+    SUBJECT_PREFIX,
+    Heartbeat,
+    SnapshotInfo,
+    check_subject,
+    client_url,
+    snapshot_subjects,
+    subject_covers,
+)
 from kvstream.wire.broker_client import closed_on_error, shown_url
 
 if TYPE_CHECKING:
@@ -84,6 +104,7 @@ class NatsSubscriber(BrokerSubscriber["Client"]):
         fetch_batch: int = 256,
         poll_interval: float = 1.0,
         ack_wait: float = 30.0,
+        snapshot_stream: str = DEFAULT_SNAPSHOT_STREAM,
         **options: Unpack[ReaderOptions],
     ) -> None:
         nats_client.require_nats()
@@ -109,6 +130,15 @@ class NatsSubscriber(BrokerSubscriber["Client"]):
             raise ConfigError(
                 f"{self.shown}: poll_interval: expected seconds > 0, got {poll_interval!r}"
             )
+        if self._snapshots_wanted is None:
+            self._snapshots_wanted = self.from_seq is None and durable is None
+        elif self._snapshots_wanted and durable is not None:
+            raise ConfigError(
+                f"{self.shown}: snapshots: a durable consumer ({durable!r}) resumes its own "
+                f"position, which a snapshot would contradict; drop durable or snapshots"
+            )
+        self.snapshot_stream = snapshot_stream
+        self._snapshot_direct: bool | None = None  # known at the first read of the stream
         self.subject = subject
         self.stream = stream
         self.durable = durable
@@ -155,8 +185,113 @@ class NatsSubscriber(BrokerSubscriber["Client"]):
         )
         self._lost = False
         async with closed_on_error(lambda: nats_client.close_quietly(client)):
+            used = await self._cold_start(client)
+            if used and self._last_stream_seq is None:
+                # Right after the oldest snapshot; the tracker drops what each one holds.
+                self._last_stream_seq = min(int(info.position) for info in used)
             self._psub = await self._bind(client)
+            if self.heartbeats:
+                await client.subscribe(self._heartbeat_filter(), cb=self._heartbeat_msg)
         self._client = client
+
+    def _heartbeat_filter(self) -> str:
+        """The heartbeats of the origins this subscriber reads (all, for a custom subject)."""
+        if self.subject.startswith(SUBJECT_PREFIX):
+            return HEARTBEAT_SUBJECT_PREFIX + self.subject[len(SUBJECT_PREFIX) :]
+        return HEARTBEAT_SUBJECT_PREFIX + ">"
+
+    async def _heartbeat_msg(self, msg: Msg) -> None:
+        try:
+            hb = Heartbeat.from_json(msg.data)
+        except DecodeError as exc:
+            self.bad_messages += 1
+            log.warning("%s: heartbeat on %s skipped: %s", self.shown, msg.subject, exc)
+            return
+        self._on_heartbeat(hb)
+
+    # -- snapshots ------------------------------------------------------------------
+
+    def _covers(self, info: SnapshotInfo) -> bool:
+        return subject_covers(self.subject, info.where)
+
+    async def _snapshot_heads(
+        self, client: Client, origin: str | None
+    ) -> list[tuple[SnapshotInfo, Any]]:
+        nats = nats_client.require_nats()
+        jsm = client.jsm()
+        stream = self.snapshot_stream
+        heads: list[Any] = []
+        try:
+            if self._snapshot_direct is None:
+                stream_info = await jsm.stream_info(stream)
+                self._snapshot_direct = bool(stream_info.config.allow_direct)
+            direct = self._snapshot_direct
+            if origin is not None:
+                head = snapshot_subjects(origin)[0]
+                heads.append(await jsm.get_msg(stream, subject=head, direct=direct))
+            else:
+                seq = 1
+                while True:
+                    msg = await jsm.get_msg(
+                        stream, seq=seq, subject=SNAPSHOT_HEADS, next=True, direct=direct
+                    )
+                    heads.append(msg)
+                    seq = int(msg.seq or seq) + 1
+        except nats.js.errors.NotFoundError:
+            pass
+        except (nats.errors.Error, OSError) as exc:
+            raise TransportError(
+                f"{self.shown}: reading snapshots from stream {stream!r} failed: "
+                f"{nats_client.describe_error(exc)}"
+            ) from exc
+        out: list[tuple[SnapshotInfo, Any]] = []
+        for msg in heads:
+            try:
+                head = orjson.loads(msg.data or b"")
+                info = SnapshotInfo.from_json(orjson.dumps(head["info"]), self.shown)
+                where = (int(head["first"]), int(head["last"]), int(head["bytes"]))
+            except (orjson.JSONDecodeError, DecodeError, KeyError, TypeError, ValueError) as exc:
+                self.bad_snapshots += 1
+                log.warning("%s: snapshot head %s skipped: %s", self.shown, msg.subject, exc)
+                continue
+            out.append((info, where))
+        return out
+
+    async def _snapshot_envelope(
+        self, client: Client, info: SnapshotInfo, where: Any
+    ) -> bytes | None:
+        nats = nats_client.require_nats()
+        first, last, size = where
+        part_subject = snapshot_subjects(info.origin)[1]
+        jsm = client.jsm()
+        data = bytearray()
+        seq = first
+        try:
+            while True:
+                msg = await jsm.get_msg(
+                    self.snapshot_stream,
+                    seq=seq,
+                    subject=part_subject,
+                    next=True,
+                    direct=bool(self._snapshot_direct),
+                )
+                got = int(msg.seq or 0)
+                if got > last:
+                    return None  # purged: a newer snapshot replaced it
+                data += msg.data or b""
+                if got == last:
+                    break
+                seq = got + 1
+        except nats.js.errors.NotFoundError:
+            return None
+        except (nats.errors.Error, OSError) as exc:
+            raise TransportError(
+                f"{self.shown}: reading the snapshot of {info.origin} failed: "
+                f"{nats_client.describe_error(exc)}"
+            ) from exc
+        if len(data) != size:
+            return None
+        return bytes(data)
 
     async def _disconnect(self) -> None:
         client, self._client, self._psub = self._client, None, None
@@ -289,7 +424,7 @@ class NatsSubscriber(BrokerSubscriber["Client"]):
             self.bad_messages += 1
             log.warning("%s: message on %s skipped: %s", self.shown, msg.subject, exc)
             return []
-        return self._admit(batch)
+        return self._admit(batch, self._last_stream_seq)
 
     async def _read(self) -> AsyncGenerator[SubscriberItem, None]:
         if self._client is None and not self._closed:
@@ -298,6 +433,8 @@ class NatsSubscriber(BrokerSubscriber["Client"]):
         unread: deque[Msg] = deque()  # fetched, not yet handed over
         backoff = self._backoff("reconnecting")
         try:
+            while self._pending:
+                yield self._pending.popleft()
             while not self._closed:
                 try:
                     if self._psub is None or self._lost:
@@ -305,6 +442,7 @@ class NatsSubscriber(BrokerSubscriber["Client"]):
                         await self._reconnect()
                     await self._ack(consumed)
                     msgs = await self._fetch()
+                    self._check_liveness()
                 except KVStreamError as exc:
                     if self._stopping():
                         break
@@ -322,6 +460,8 @@ class NatsSubscriber(BrokerSubscriber["Client"]):
                 while unread:
                     msg = unread.popleft()
                     items = self._accept(msg)
+                    if self._jumped is not None:
+                        items = await self._repair(items)
                     consumed.append(msg)
                     for item in items:
                         yield item
@@ -362,5 +502,6 @@ def subscriber_from_url(parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]
         fetch_batch=opts.pop_int("fetch_batch", 256, minimum=1) or 256,
         poll_interval=opts.pop_float("poll_interval", 1.0) or 1.0,
         ack_wait=opts.pop_float("ack_wait", 30.0) or 30.0,
+        snapshot_stream=opts.pop_str("snapshot_stream") or DEFAULT_SNAPSHOT_STREAM,
         **kwargs,
     )

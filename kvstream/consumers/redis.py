@@ -24,12 +24,19 @@ below it).
   a reconnect the consumer first re-reads its own pending (delivered, not
   acknowledged) entries, then new ones. Delivery is at least once; the
   tracker drops repeats within one subscriber.
+
+Snapshots (see :mod:`kvstream.consumers.broker`; plain mode only): read from
+the keys a :class:`~kvstream.sinks.redis.RedisSink` with
+``snapshot_every``/``snapshot_interval`` writes beside ``STREAM``. On a cold
+start with snapshots found, reading starts after the oldest snapshot's entry,
+whatever ``start`` says.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any, Unpack
 
@@ -39,18 +46,32 @@ from kvstream.consumers.base import Subscriber, SubscriberItem
 from kvstream.consumers.broker import BrokerSubscriber, ReaderOptions, reader_options
 from kvstream.errors import ConfigError, DecodeError, TransportError
 from kvstream.wire import redis_client
-from kvstream.wire.broker import DEFAULT_REDIS_STREAM, client_url
+from kvstream.wire.broker import (
+    DEFAULT_REDIS_STREAM,
+    Heartbeat,
+    SnapshotInfo,
+    client_url,
+    read_envelope,
+    read_envelope_info,
+    redis_heartbeats_key,
+    redis_position,
+    redis_snapshot_index,
+    redis_snapshot_key,
+)
 from kvstream.wire.broker_client import shown_url
 
 if TYPE_CHECKING:
     # Named only in a string (the base class's type argument), which ruff does not see.
-    from redis.asyncio import Redis  # noqa: F401
+    from redis.asyncio import Redis
 
     from kvstream.config import Options, ParsedURL
 
 __all__ = ["RedisSubscriber", "subscriber_from_url"]
 
 log = logging.getLogger("kvstream.consumers")
+
+#: Bytes of a snapshot read to find its info line (a few hundred, unless it has many parts).
+_INFO_BYTES = 65536
 
 
 def _text(value: object) -> str:
@@ -94,6 +115,13 @@ class RedisSubscriber(BrokerSubscriber["Redis"]):
         if not block > 0:
             raise ConfigError(f"{shown}: block: expected seconds > 0, got {block!r}")
         super().__init__(url, shown, **options)
+        if self._snapshots_wanted is None:
+            self._snapshots_wanted = self.from_seq is None and group is None
+        elif self._snapshots_wanted and group is not None:
+            raise ConfigError(
+                f"{shown}: snapshots: a group ({group!r}) resumes its own position, which a "
+                f"snapshot would contradict; drop group or snapshots"
+            )
         if start is None:
             start = "$" if self.from_seq is None else "0"
         if start not in ("0", "$") and not _looks_like_id(start):
@@ -114,6 +142,8 @@ class RedisSubscriber(BrokerSubscriber["Redis"]):
         self.read_errors = 0
         #: Plain mode: the id of the last entry handed over (``start`` to resume from).
         self.last_id: str | None = None
+        self._beats: dict[str, int] = {}
+        self._beats_polled = 0.0
 
     def __repr__(self) -> str:
         mode = f"group={self.group!r}" if self.group else f"start={self.start!r}"
@@ -138,11 +168,101 @@ class RedisSubscriber(BrokerSubscriber["Redis"]):
                             f"{self.shown}: cannot create group {self.group!r} on "
                             f"{self.stream!r}: {redis_client.describe_error(exc)}"
                         ) from exc
-            elif self.last_id is None and self.start == "$":
+            used = await self._cold_start(client)
+            if used and self.last_id is None:
+                # Right after the oldest snapshot; the tracker drops what each one holds.
+                self.last_id = min((info.position for info in used), key=redis_position)
+            if self.group is None and self.last_id is None and self.start == "$":
                 # Pin "$" to an id now, so a reconnect does not skip what came meanwhile.
                 last = await client.xrevrange(self.stream, count=1)
                 self.last_id = _text(last[0][0]) if last else "0-0"
         self._client = client
+
+    # -- snapshots ------------------------------------------------------------------
+
+    def _covers(self, info: SnapshotInfo) -> bool:
+        return info.where == self.stream
+
+    def _position(self, text: str) -> Any:
+        return redis_position(text)
+
+    async def _snapshot_heads(
+        self, client: Redis, origin: str | None
+    ) -> list[tuple[SnapshotInfo, Any]]:
+        redis = redis_client.require_redis()
+        try:
+            if origin is None:
+                origins = sorted(
+                    _text(o) for o in await client.smembers(redis_snapshot_index(self.stream))
+                )
+            else:
+                origins = [origin]
+            out: list[tuple[SnapshotInfo, Any]] = []
+            for name in origins:
+                key = redis_snapshot_key(self.stream, name)
+                # The info line first (a gap may find the snapshot too old to read whole).
+                head = await client.getrange(key, 0, _INFO_BYTES - 1)
+                if not isinstance(head, bytes) or not head:
+                    continue
+                try:
+                    info = read_envelope_info(head, f"{self.shown}: snapshot of {name}")
+                    if info is None:  # a longer info line than we read: read it all
+                        whole = await client.get(key)
+                        data = whole if isinstance(whole, bytes) else b""
+                        info = read_envelope(data, f"{self.shown}: snapshot of {name}")[0]
+                except DecodeError as exc:
+                    self.bad_snapshots += 1
+                    log.warning("%s: %s", self.shown, exc)
+                    continue
+                out.append((info, key))
+            return out
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise TransportError(
+                f"{self.shown}: reading snapshots failed: {redis_client.describe_error(exc)}"
+            ) from exc
+
+    async def _snapshot_envelope(
+        self, client: Redis, info: SnapshotInfo, where: Any
+    ) -> bytes | None:
+        redis = redis_client.require_redis()
+        try:
+            data = await client.get(where)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise TransportError(
+                f"{self.shown}: reading the snapshot of {info.origin} failed: "
+                f"{redis_client.describe_error(exc)}"
+            ) from exc
+        # One GET: consistent. A newer one written since the info was read is refused
+        # by the caller (the info differs) and the gap stays a gap.
+        return data if isinstance(data, bytes) else None
+
+    async def _poll_heartbeats(self) -> None:
+        """Read the heartbeat hash (at most every ``block`` seconds): a changed beat is a
+        sign of life; then judge who is gone."""
+        now = time.monotonic()
+        client = self._client
+        if client is None or now - self._beats_polled < min(self.block, 1.0):
+            self._check_liveness()
+            return
+        self._beats_polled = now
+        redis = redis_client.require_redis()
+        try:
+            fields = await client.hgetall(redis_heartbeats_key(self.stream))
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise TransportError(
+                f"{self.shown}: reading heartbeats failed: {redis_client.describe_error(exc)}"
+            ) from exc
+        for raw in fields.values():
+            try:
+                hb = Heartbeat.from_json(raw)
+            except DecodeError as exc:
+                self.bad_entries += 1
+                log.warning("%s: heartbeat skipped: %s", self.shown, exc)
+                continue
+            if self._beats.get(hb.origin) != hb.beat:
+                self._beats[hb.origin] = hb.beat
+                self._on_heartbeat(hb)
+        self._check_liveness()
 
     async def _disconnect(self) -> None:
         client, self._client = self._client, None
@@ -201,7 +321,7 @@ class RedisSubscriber(BrokerSubscriber["Redis"]):
                 "%s/%s: entry %s skipped: %s", self.shown, self.stream, _text(entry_id), exc
             )
             return []
-        return self._admit(batch)
+        return self._admit(batch, redis_position(_text(entry_id)))
 
     async def _read(self) -> AsyncGenerator[SubscriberItem, None]:
         if self._client is None and not self._closed:
@@ -212,6 +332,8 @@ class RedisSubscriber(BrokerSubscriber["Redis"]):
         consumed: list[Any] = []  # group entries handed over, not yet acknowledged
         backoff = self._backoff("retrying")
         try:
+            while self._pending:
+                yield self._pending.popleft()
             while not self._closed:
                 if grouped:
                     cursor = pending_cursor if pending_cursor is not None else ">"
@@ -224,6 +346,8 @@ class RedisSubscriber(BrokerSubscriber["Redis"]):
                     # Wait for new entries only when following (pending ones are there).
                     wait = self.follow and pending_cursor is None
                     entries = await self._read_entries(cursor, wait)
+                    if self.heartbeats:
+                        await self._poll_heartbeats()
                 except (TransportError, ConfigError) as exc:
                     if self._stopping():
                         break
@@ -248,7 +372,10 @@ class RedisSubscriber(BrokerSubscriber["Redis"]):
                             pending_cursor = _text(entry_id)
                     else:
                         self.last_id = _text(entry_id)
-                    for item in self._accept(entry_id, fields):
+                    items = self._accept(entry_id, fields)
+                    if self._jumped is not None:
+                        items = await self._repair(items)
+                    for item in items:
                         yield item
         finally:
             if consumed and self._client is not None:

@@ -15,29 +15,56 @@ subject's last message and skips a batch it finds there).
 One batch is one message, never split: a batch whose message would exceed the
 server's ``max_payload`` (or the stream's ``max_msg_size``) is refused with a
 logged error and counted as dropped, which consumers see as a gap.
+
+Snapshots (opt-in: ``snapshot_every=N`` batches and/or ``snapshot_interval=T``
+seconds): the sink keeps the state of the batches JetStream acknowledged
+(:class:`~kvstream.wire.broker.SinkSnapshots`) and, when one is due, publishes
+the origin's snapshot to the stream ``snapshot_stream`` (default
+``KV_SNAPSHOTS``, created when missing), which keeps the latest per origin
+(see :mod:`kvstream.wire.broker` and ``docs/recovery.md``). Heartbeats
+(opt-in: ``heartbeat=T`` seconds): every origin that delivered nothing for
+``T`` seconds announces its epoch and last seq on ``kv.heartbeat.<origin>``
+(core NATS, not stored).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Final, Literal
+import time
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Final, Literal, Self
 
 import anyio
+import anyio.abc
+import anyio.lowlevel
+import orjson
 
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ConfigError, TransportError
 from kvstream.events import EventBatch
 from kvstream.sinks.base import Sink
+from kvstream.state import DEFAULT_MAX_BYTES
 from kvstream.wire import nats_client
 from kvstream.wire.broker import (
     DEFAULT_NATS_STREAM,
+    DEFAULT_SNAPSHOT_STREAM,
     DEFAULT_SUBJECT_FILTER,
+    SNAPSHOT_SUBJECT_PREFIX,
+    Heartbeat,
+    Heartbeats,
+    SinkSnapshots,
+    SnapshotInfo,
     check_subject,
     client_url,
     default_subject,
+    heartbeat_subject,
     key_from_headers,
     nats_headers,
     nats_headers_size,
+    sink_snapshot_options,
+    snapshot_envelope,
+    snapshot_parts,
+    snapshot_subjects,
 )
 from kvstream.wire.broker_client import closed_on_error, shown_url
 
@@ -82,6 +109,11 @@ class NatsSink(Sink):
         duplicate_window: float | None = None,
         ack_timeout: float = 5.0,
         connect_timeout: float = 5.0,
+        snapshot_every: int | None = None,
+        snapshot_interval: float | None = None,
+        snapshot_max_bytes: int = DEFAULT_MAX_BYTES,
+        snapshot_stream: str = DEFAULT_SNAPSHOT_STREAM,
+        heartbeat: float | None = None,
         **options: Any,
     ) -> None:
         self._nats = nats_client.require_nats()  # a missing extra fails here, not at the first send
@@ -123,6 +155,30 @@ class NatsSink(Sink):
         self.duplicates = 0
         #: Batches refused because their message exceeds the size limit.
         self.oversized = 0
+        #: The state kept for snapshots (None: snapshots are off).
+        self.snapshots: SinkSnapshots | None = None
+        if snapshot_every is not None or snapshot_interval is not None:
+            self.snapshots = SinkSnapshots(
+                self.shown,
+                every=snapshot_every,
+                interval=snapshot_interval,
+                max_bytes=snapshot_max_bytes,
+                clock=time.monotonic,
+            )
+        if not snapshot_stream or any(c in snapshot_stream for c in " .*>"):
+            raise ConfigError(
+                f"{self.shown}: snapshot_stream: expected a stream name without spaces, "
+                f"dots, * or >, got {snapshot_stream!r}"
+            )
+        self.snapshot_stream = snapshot_stream
+        if heartbeat is not None and not heartbeat > 0:
+            raise ConfigError(f"{self.shown}: heartbeat: expected seconds > 0, got {heartbeat!r}")
+        self.heartbeat = heartbeat
+        self._heartbeats = (
+            Heartbeats(heartbeat, self.shown, self._beat, clock=time.monotonic)
+            if heartbeat is not None
+            else None
+        )
 
     # -- connection ---------------------------------------------------------------
 
@@ -148,6 +204,8 @@ class NatsSink(Sink):
         )
         async with closed_on_error(lambda: nats_client.close_quietly(client)):
             info = await self._ensure_stream(client)
+            if self.snapshots is not None:
+                await self._ensure_snapshot_stream(client)
         self._client = client
         self._js = client.jetstream(timeout=self.ack_timeout)
         self._stream_name = info.config.name
@@ -195,6 +253,38 @@ class NatsSink(Sink):
                 return found
         log.info("%s: created stream %s for %s", self.shown, name, subject)
         return info
+
+    async def _ensure_snapshot_stream(self, client: Client) -> None:
+        nats = nats_client.require_nats()
+        from nats.js.api import StorageType, StreamConfig
+
+        name = self.snapshot_stream
+        jsm = client.jsm()
+        with nats_client.jetstream_errors(self.shown, f"use snapshot stream {name!r}"):
+            try:
+                info = await jsm.stream_info(name)
+            except nats.js.errors.NotFoundError:
+                storage = StorageType(self._wanted.get("storage", "file"))
+                config = StreamConfig(
+                    name=name,
+                    subjects=[SNAPSHOT_SUBJECT_PREFIX + ">"],
+                    allow_rollup_hdrs=True,
+                    allow_direct=True,  # readers get parts as raw bytes (3x faster)
+                    storage=storage,
+                )
+                try:
+                    info = await jsm.add_stream(config)
+                    log.info("%s: created snapshot stream %s", self.shown, name)
+                except nats.js.errors.APIError as exc:
+                    if exc.err_code != _STREAM_EXISTS:
+                        raise
+                    info = await jsm.stream_info(name)
+        if not info.config.allow_rollup_hdrs:
+            raise ConfigError(
+                f"{self.shown}: snapshot stream {name!r} does not allow rollup headers; "
+                f"kvstream keeps one snapshot per origin with them: set allow_rollup_hdrs "
+                f"or name another snapshot_stream"
+            )
 
     def _check_config(self, info: Any) -> None:
         config = info.config
@@ -244,10 +334,13 @@ class NatsSink(Sink):
             raise TransportError(f"{self.shown}: not connected")
         nats = self._nats
         try:
-            if self._uncertain and await self._stored(subject, batch):
-                self._uncertain = False
-                self.duplicates += 1
-                return
+            if self._uncertain:
+                stored_at = await self._stored(subject, batch)
+                if stored_at is not None:
+                    self._uncertain = False
+                    self.duplicates += 1
+                    await self._delivered(batch, subject, stored_at)
+                    return
             self._uncertain = True
             with anyio.CancelScope() as scope:
                 self._ack_scope = scope
@@ -264,22 +357,132 @@ class NatsSink(Sink):
         self._uncertain = False
         if ack.duplicate:
             self.duplicates += 1
+        await self._delivered(batch, subject, ack.seq)
 
-    async def _stored(self, subject: str, batch: EventBatch) -> bool:
-        """True when the subject's last message is ``batch`` or a later one of its producer."""
+    async def _stored(self, subject: str, batch: EventBatch) -> int | None:
+        """The stream sequence of the subject's last message when it is ``batch`` or a
+        later one of its producer, else None."""
         nats = nats_client.require_nats()
         client = self._client
         if client is None or self._stream_name is None:
-            return False
+            return None
         try:
             msg = await client.jsm().get_last_msg(self._stream_name, subject)
         except nats.js.errors.NotFoundError:
-            return False
+            return None
         try:
             origin, epoch, seq = key_from_headers(msg.headers)
         except ValueError:
+            return None
+        if origin == batch.origin and epoch == batch.epoch and seq >= batch.seq:
+            return int(msg.seq or 0)
+        return None
+
+    # -- snapshots and heartbeats ----------------------------------------------------
+
+    async def _delivered(self, batch: EventBatch, subject: str, stream_seq: int) -> None:
+        if self._heartbeats is not None:
+            self._heartbeats.delivered(batch)
+        snapshots = self.snapshots
+        if snapshots is not None and snapshots.delivered(batch, str(stream_seq)):
+            await self.publish_snapshot(batch.origin, subject)
+
+    async def publish_snapshot(self, origin: str, subject: str | None = None) -> bool:
+        """Publish ``origin``'s snapshot now; False when there is none to publish or it failed.
+
+        A failure is logged and counted (``snapshots.failed``) and does not fail
+        the batch that made it due; the next snapshot is tried when it is due again.
+        """
+        nats = nats_client.require_nats()
+        snapshots = self.snapshots
+        client = self._client
+        js = self._js
+        if snapshots is None or client is None or js is None:
             return False
-        return origin == batch.origin and epoch == batch.epoch and seq >= batch.seq
+        taken = snapshots.take(origin)
+        if taken is None:
+            return False
+        snap, position = taken
+        parts: list[bytes] = []
+        # A slice at a time, letting other tasks run between slices. Nothing changes
+        # the state meanwhile: only this sink's writer gives it batches, and it is here.
+        events = snapshots.keeper.snapshot_events(origin)
+        for part in snapshot_parts(snap, events):
+            parts.append(part)
+            await anyio.lowlevel.checkpoint()
+        info = SnapshotInfo(
+            origin=snap.origin,
+            epoch=snap.epoch,
+            resume_seq=snap.resume_seq,
+            position=position,
+            where=subject or self.subject or default_subject(origin),
+            blocks=snap.blocks,
+            ts=snap.ts,
+        )
+        envelope = snapshot_envelope(info, parts)
+        del parts
+        head_subject, part_subject = snapshot_subjects(origin)
+        chunk = max(self._max_message - 256, 1024)
+        try:
+            first = last = 0
+            view = memoryview(envelope)
+            for start in range(0, len(envelope), chunk):
+                ack = await js.publish(part_subject, bytes(view[start : start + chunk]))
+                last = ack.seq
+                first = first or last
+            head = orjson.dumps(
+                {
+                    "info": info._replace(parts=())._asdict(),
+                    "first": first,
+                    "last": last,
+                    "bytes": len(envelope),
+                }
+            )
+            await js.publish(head_subject, head, headers={"Nats-Rollup": "sub"})
+            # The older snapshot's parts: everything on the part subject before this one.
+            # (The server reads seq <= 1 as "no bound": the whole subject would go.)
+            if first > 1:
+                await client.jsm().purge_stream(
+                    self.snapshot_stream, seq=first, subject=part_subject
+                )
+        except (nats.errors.Error, OSError) as exc:
+            snapshots.failed += 1
+            snapshots.schedule.taken(origin, snap.epoch)  # not again at once: when next due
+            log.warning(
+                "%s: snapshot of %s not published (tried again when the next is due): %s",
+                self.name,
+                origin,
+                nats_client.describe_error(exc),
+            )
+            return False
+        snapshots.schedule.taken(origin, snap.epoch)
+        snapshots.published += 1
+        return True
+
+    async def _beat(self, heartbeat: Heartbeat) -> None:
+        client = self._client
+        if client is None or not client.is_connected:
+            return
+        await client.publish(heartbeat_subject(heartbeat.origin), heartbeat.to_json())
+
+    async def __aenter__(self) -> Self:
+        await super().__aenter__()
+        if self._heartbeats is not None:
+            await self._heartbeats.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        try:
+            if self._heartbeats is not None:
+                await self._heartbeats.stop()
+        finally:
+            result = await super().__aexit__(exc_type, exc, tb)
+        return result
 
     async def aclose(self) -> None:
         try:
@@ -300,6 +503,8 @@ def sink_from_url(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> S
         raise ConfigError(f"{parsed.raw}: option storage: expected file or memory, got {storage!r}")
     return NatsSink(
         client_url(parsed.raw, parsed.scheme, 4222),
+        snapshot_stream=opts.pop_str("snapshot_stream") or DEFAULT_SNAPSHOT_STREAM,
+        **sink_snapshot_options(opts),
         subject=parsed.path or None,
         stream=opts.pop_str("stream") or None,
         create=opts.pop_bool("create"),

@@ -12,27 +12,53 @@ applied a command but before the reply arrived leaves the outcome unknown. So
 after any failure the next attempt first reads the entries added since the
 last one this sink knows it wrote, and skips every batch it finds there by its
 ``(origin, epoch, seq)``: a retry never duplicates and never loses a batch.
+
+Snapshots (opt-in: ``snapshot_every=N`` batches and/or ``snapshot_interval=T``
+seconds): the sink keeps the state of the batches it wrote
+(:class:`~kvstream.wire.broker.SinkSnapshots`) and, when one is due, writes the
+origin's snapshot with one ``SET`` to the key ``<stream>:snapshot:<origin>``
+(the latest replaces the one before at once) and adds the origin to the set
+``<stream>:snapshots``. A key rather than a capped stream: a key keeps exactly
+one value per origin and is replaced atomically however large the snapshot,
+where a stream capped to one entry per origin would need one stream per origin.
+Heartbeats (opt-in: ``heartbeat=T`` seconds): every origin that wrote nothing
+for ``T`` seconds sets its field of the hash ``<stream>:heartbeats`` to its
+epoch, last seq and a counter (readers poll it).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self
 
 import anyio
+import anyio.lowlevel
 
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ConfigError, DecodeError, TransportError
 from kvstream.events import EventBatch
 from kvstream.sinks.base import Sink
+from kvstream.state import DEFAULT_MAX_BYTES
 from kvstream.wire import redis_client
 from kvstream.wire.broker import (
     DEFAULT_REDIS_STREAM,
     BatchKey,
+    Heartbeat,
+    Heartbeats,
+    SinkSnapshots,
+    SnapshotInfo,
     client_url,
     key_from_fields,
     redis_fields,
+    redis_heartbeats_key,
+    redis_snapshot_index,
+    redis_snapshot_key,
+    sink_snapshot_options,
+    snapshot_envelope,
+    snapshot_parts,
 )
 from kvstream.wire.broker_client import shown_url
 
@@ -81,6 +107,10 @@ class RedisSink(Sink):
         db: int = 0,
         connect_timeout: float = 5.0,
         dedup_scan: int = 100_000,
+        snapshot_every: int | None = None,
+        snapshot_interval: float | None = None,
+        snapshot_max_bytes: int = DEFAULT_MAX_BYTES,
+        heartbeat: float | None = None,
         **options: Any,
     ) -> None:
         redis_client.require_redis()  # a missing extra fails here, not at the first send
@@ -109,6 +139,24 @@ class RedisSink(Sink):
         self._uncertain = False
         #: Batches a retry found already written (and did not write again).
         self.duplicates = 0
+        #: The state kept for snapshots (None: snapshots are off).
+        self.snapshots: SinkSnapshots | None = None
+        if snapshot_every is not None or snapshot_interval is not None:
+            self.snapshots = SinkSnapshots(
+                self.shown,
+                every=snapshot_every,
+                interval=snapshot_interval,
+                max_bytes=snapshot_max_bytes,
+                clock=time.monotonic,
+            )
+        if heartbeat is not None and not heartbeat > 0:
+            raise ConfigError(f"{self.shown}: heartbeat: expected seconds > 0, got {heartbeat!r}")
+        self.heartbeat = heartbeat
+        self._heartbeats = (
+            Heartbeats(heartbeat, self.shown, self._beat, clock=time.monotonic)
+            if heartbeat is not None
+            else None
+        )
 
     async def open(self) -> None:
         client = await redis_client.open_stream_client(
@@ -139,6 +187,10 @@ class RedisSink(Sink):
                         self.name,
                         len(found),
                     )
+                    for _, b in items:  # written by the failed attempt: keep them now
+                        entry = found.get(b.key)
+                        if entry is not None:
+                            await self._delivered(b, entry.decode())
                     items = [(d, b) for d, b in items if b.key not in found]
                 if not items:
                     self._uncertain = False
@@ -164,12 +216,15 @@ class RedisSink(Sink):
             ) from exc
         self._uncertain = False
         self._last_id = _as_id(ids[-1])
+        for (_, batch), entry_id in zip(items, ids, strict=True):
+            await self._delivered(batch, _as_id(entry_id).decode())
 
-    async def _written(self, wanted: set[BatchKey]) -> set[BatchKey]:
-        """Which of ``wanted`` the stream holds after the last entry known written."""
+    async def _written(self, wanted: set[BatchKey]) -> dict[BatchKey, bytes]:
+        """Which of ``wanted`` the stream holds after the last entry known written
+        (with the id of the entry that holds each)."""
         client = self._client
         assert client is not None
-        found: set[BatchKey] = set()
+        found: dict[BatchKey, bytes] = {}
         start = _next_id(self._last_id)
         scanned = 0
         while scanned < self.dedup_scan and len(found) < len(wanted):
@@ -182,8 +237,7 @@ class RedisSink(Sink):
                 except DecodeError:
                     continue
                 if key in wanted:
-                    found.add(key)
-                    self._last_id = _as_id(entry_id)
+                    found[key] = self._last_id = _as_id(entry_id)
             scanned += len(entries)
             start = _next_id(_as_id(entries[-1][0]))
         else:
@@ -195,6 +249,94 @@ class RedisSink(Sink):
                     scanned,
                 )
         return found
+
+    # -- snapshots and heartbeats ----------------------------------------------------
+
+    async def _delivered(self, batch: EventBatch, entry_id: str) -> None:
+        if self._heartbeats is not None:
+            self._heartbeats.delivered(batch)
+        snapshots = self.snapshots
+        if snapshots is not None and snapshots.delivered(batch, entry_id):
+            await self.publish_snapshot(batch.origin)
+
+    async def publish_snapshot(self, origin: str) -> bool:
+        """Write ``origin``'s snapshot now; False when there is none to write or it failed.
+
+        A failure is logged and counted (``snapshots.failed``) and does not fail
+        the batch that made it due; the next snapshot is tried when it is due again.
+        """
+        redis = redis_client.require_redis()
+        snapshots = self.snapshots
+        client = self._client
+        if snapshots is None or client is None:
+            return False
+        taken = snapshots.take(origin)
+        if taken is None:
+            return False
+        snap, position = taken
+        parts: list[bytes] = []
+        # A slice at a time, letting other tasks run between slices. Nothing changes
+        # the state meanwhile: only this sink's writer gives it batches, and it is here.
+        events = snapshots.keeper.snapshot_events(origin)
+        for part in snapshot_parts(snap, events):
+            parts.append(part)
+            await anyio.lowlevel.checkpoint()
+        info = SnapshotInfo(
+            origin=snap.origin,
+            epoch=snap.epoch,
+            resume_seq=snap.resume_seq,
+            position=position,
+            where=self.stream,
+            blocks=snap.blocks,
+            ts=snap.ts,
+        )
+        envelope = snapshot_envelope(info, parts)
+        del parts
+        try:
+            async with client.pipeline(transaction=True) as pipe:
+                pipe.set(redis_snapshot_key(self.stream, origin), envelope)
+                pipe.sadd(redis_snapshot_index(self.stream), origin.encode())
+                await pipe.execute()
+        except (redis.exceptions.RedisError, OSError) as exc:
+            snapshots.failed += 1
+            snapshots.schedule.taken(origin, snap.epoch)  # not again at once: when next due
+            log.warning(
+                "%s: snapshot of %s not written (tried again when the next is due): %s",
+                self.name,
+                origin,
+                redis_client.describe_error(exc),
+            )
+            return False
+        snapshots.schedule.taken(origin, snap.epoch)
+        snapshots.published += 1
+        return True
+
+    async def _beat(self, heartbeat: Heartbeat) -> None:
+        client = self._client
+        if client is None:
+            return
+        await client.hset(
+            redis_heartbeats_key(self.stream), heartbeat.origin.encode(), heartbeat.to_json()
+        )
+
+    async def __aenter__(self) -> Self:
+        await super().__aenter__()
+        if self._heartbeats is not None:
+            await self._heartbeats.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        try:
+            if self._heartbeats is not None:
+                await self._heartbeats.stop()
+        finally:
+            result = await super().__aexit__(exc_type, exc, tb)
+        return result
 
     async def aclose(self) -> None:
         try:
@@ -217,5 +359,6 @@ def sink_from_url(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> S
         db=opts.pop_int("db", 0) or 0,
         connect_timeout=opts.pop_float("connect_timeout", 5.0) or 5.0,
         dedup_scan=opts.pop_int("dedup_scan", 100_000, minimum=1) or 100_000,
+        **sink_snapshot_options(opts),
         **common,
     )

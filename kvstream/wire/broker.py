@@ -30,23 +30,58 @@ and ``_`` replaced by ``_`` (a NATS subject token may not contain ``.``,
 ``*``, ``>`` or white space), so ``node-1.example:0`` publishes to
 ``kv.events.node-1_example_0``. The mapping can merge two origins into one
 subject; that is harmless because consumers read the origin from the header.
+
+Snapshots (see ``docs/recovery.md``) are stored beside the stream, the latest
+one per origin, as one *envelope*: the line ``KVSNAP1``, one JSON line of
+:class:`SnapshotInfo` (with the byte length of every part), then the parts,
+each the snapshot's ``AllBlocksCleared`` / ``BlockStored`` events of one slice
+encoded as the batch ``resume_seq - 1`` with the JSON codec. ``position`` is
+where the batch ``resume_seq - 1`` sits in the stream (a JetStream stream
+sequence, or a Redis entry id), so a reader continues right after it.
+
+* NATS: stream ``KV_SNAPSHOTS`` (subjects ``kv.snapshot.>``, rollup allowed).
+  An origin's envelope is cut into messages on ``kv.snapshot.<key>.part``, then
+  its head (the :class:`SnapshotInfo` with the stream sequences of the first
+  and last part) goes to ``kv.snapshot.<key>.head`` with ``Nats-Rollup: sub``,
+  so the subject keeps only the latest head; then the older parts are purged.
+  A reader gets the head, then the parts by sequence. A publisher that dies
+  mid-snapshot leaves parts without a head: the previous head stays valid.
+* Redis: the envelope is the string ``<stream>:snapshot:<origin>`` (one
+  ``SET``: the old value is replaced at once), and the set
+  ``<stream>:snapshots`` names the origins that have one.
+
+Heartbeats (opt-in) are :class:`Heartbeat` records in JSON: on NATS core
+(never stored) on ``kv.heartbeat.<token>``, on Redis in the hash
+``<stream>:heartbeats`` (field: origin).
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import re
-from collections.abc import Callable, Mapping
-from typing import Any, Final
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 from urllib.parse import quote, unquote, urlsplit
+
+import anyio
+import anyio.abc
+import orjson
 
 from kvstream.codecs.base import Codec
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ConfigError, DecodeError, KVStreamError
-from kvstream.events import EventBatch
+from kvstream.events import BlockStored, EventBatch, KVCacheEvent
+
+if TYPE_CHECKING:
+    from kvstream.config import Options
+
+from kvstream.state import Snapshot, SnapshotSchedule, StateError, StateKeeper, StateLimitError
 
 __all__ = [
     "DEFAULT_NATS_STREAM",
     "DEFAULT_REDIS_STREAM",
+    "DEFAULT_SNAPSHOT_STREAM",
     "DEFAULT_SUBJECT_FILTER",
     "FIELD_CODEC",
     "FIELD_EPOCH",
@@ -58,20 +93,40 @@ __all__ = [
     "HEADER_MSG_ID",
     "HEADER_ORIGIN",
     "HEADER_SEQ",
+    "HEARTBEAT_SUBJECT_PREFIX",
+    "SNAPSHOT_HEADS",
+    "SNAPSHOT_PART_BLOCKS",
+    "SNAPSHOT_SUBJECT_PREFIX",
     "SUBJECT_PREFIX",
     "BatchKey",
     "FromSeq",
+    "Heartbeat",
+    "Heartbeats",
     "PayloadDecoder",
+    "SinkSnapshots",
+    "SnapshotInfo",
     "check_from_seq",
     "check_subject",
     "client_url",
     "default_subject",
+    "heartbeat_subject",
     "key_from_fields",
     "key_from_headers",
     "message_id",
     "nats_headers",
     "nats_headers_size",
+    "read_envelope",
+    "read_envelope_info",
     "redis_fields",
+    "redis_heartbeats_key",
+    "redis_position",
+    "redis_snapshot_index",
+    "redis_snapshot_key",
+    "sink_snapshot_options",
+    "snapshot_envelope",
+    "snapshot_key",
+    "snapshot_parts",
+    "snapshot_subjects",
     "start_seq",
     "subject_covers",
     "subject_token",
@@ -103,6 +158,8 @@ DEFAULT_SUBJECT_FILTER: Final = SUBJECT_PREFIX + ">"
 DEFAULT_NATS_STREAM: Final = "KV_EVENTS"
 #: The Redis stream key when the URL names none.
 DEFAULT_REDIS_STREAM: Final = "kv:events"
+
+log = logging.getLogger("kvstream.sinks")
 
 _SAFE: Final = "-._~@/"
 _NOT_TOKEN: Final = re.compile(r"[^A-Za-z0-9_-]")
@@ -380,3 +437,347 @@ def start_seq(from_seq: FromSeq, origin: str) -> int | None:
         return from_seq
     n = from_seq.get(origin)
     return from_seq.get("*") if n is None else n
+
+
+# -- snapshots --------------------------------------------------------------------
+
+#: The JetStream stream NATS sinks keep snapshots in (created when missing).
+DEFAULT_SNAPSHOT_STREAM: Final = "KV_SNAPSHOTS"
+SNAPSHOT_SUBJECT_PREFIX: Final = "kv.snapshot."
+HEARTBEAT_SUBJECT_PREFIX: Final = "kv.heartbeat."
+#: Blocks per encoded part of a snapshot, about (what one slice of work handles).
+SNAPSHOT_PART_BLOCKS: Final = 2048
+_MAGIC: Final = b"KVSNAP1\n"
+
+
+class SnapshotInfo(NamedTuple):
+    """What a stored snapshot is: whose, up to where, and how to read it."""
+
+    origin: str
+    epoch: str
+    #: The first seq of the epoch the snapshot does not include.
+    resume_seq: int
+    #: Where batch ``resume_seq - 1`` is in the stream: a JetStream stream
+    #: sequence (decimal) or a Redis entry id.
+    position: str
+    #: The subject (NATS) or stream key (Redis) the origin's batches go to.
+    where: str
+    blocks: int
+    ts: float
+    #: Byte length of each encoded part, in order.
+    parts: tuple[int, ...] = ()
+    codec: str = "json"
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self._asdict())
+
+    @classmethod
+    def from_json(cls, data: bytes | memoryview, where: str) -> SnapshotInfo:
+        try:
+            obj = orjson.loads(data)
+            info = cls(**obj)
+            ok = (
+                type(info.origin) is str
+                and type(info.epoch) is str
+                and type(info.resume_seq) is int
+                and info.resume_seq >= 1
+                and type(info.position) is str
+                and type(info.where) is str
+                and type(info.blocks) is int
+                and isinstance(info.ts, float | int)
+                and all(type(n) is int and n >= 0 for n in info.parts)
+                and type(info.codec) is str
+            )
+        except (orjson.JSONDecodeError, TypeError) as exc:
+            raise DecodeError(f"{where}: not a snapshot record: {exc}") from None
+        if not ok:
+            raise DecodeError(
+                f"{where}: snapshot record has a field of the wrong type: {obj!r:.120}"
+            )
+        return info._replace(parts=tuple(info.parts), ts=float(info.ts))
+
+
+def snapshot_parts(
+    snapshot: Snapshot, events: Iterable[KVCacheEvent] | None = None
+) -> Iterator[bytes]:
+    """The snapshot's events (``events``, else ``snapshot.events``) in slices of about
+    :data:`SNAPSHOT_PART_BLOCKS` blocks, each slice encoded as the batch
+    ``resume_seq - 1``. A generator, so that a caller can let other tasks run
+    between parts (and ``events`` can be made as they are encoded).
+    """
+    codec = JsonCodec()
+    seq = snapshot.resume_seq - 1
+    chunk: list[KVCacheEvent] = []
+    blocks = 0
+    for event in snapshot.events if events is None else events:
+        chunk.append(event)
+        if type(event) is BlockStored:
+            blocks += len(event.block_hashes)
+        if blocks >= SNAPSHOT_PART_BLOCKS:
+            yield codec.encode(_part(snapshot, seq, chunk))
+            chunk, blocks = [], 0
+    if chunk:
+        yield codec.encode(_part(snapshot, seq, chunk))
+
+
+def _part(snapshot: Snapshot, seq: int, events: list[KVCacheEvent]) -> EventBatch:
+    return EventBatch._trusted(
+        seq, snapshot.ts, events, snapshot.data_parallel_rank, snapshot.origin, snapshot.epoch
+    )
+
+
+def snapshot_envelope(info: SnapshotInfo, parts: list[bytes]) -> bytes:
+    """``KVSNAP1``, the info line (with the parts' lengths), then the parts."""
+    info = info._replace(parts=tuple(len(p) for p in parts))
+    out = bytearray(_MAGIC)
+    out += info.to_json()
+    out += b"\n"
+    for p in parts:
+        out += p
+    return bytes(out)
+
+
+def read_envelope_info(head: bytes, where: str) -> SnapshotInfo | None:
+    """The info of an envelope from its first bytes; None when ``head`` ends before it."""
+    if not head.startswith(_MAGIC):
+        raise DecodeError(f"{where}: not a kvstream snapshot (expected {_MAGIC[:-1]!r} first)")
+    end = head.find(b"\n", len(_MAGIC))
+    if end < 0:
+        return None
+    return SnapshotInfo.from_json(head[len(_MAGIC) : end], where)
+
+
+def read_envelope(data: bytes, where: str) -> tuple[SnapshotInfo, list[memoryview]]:
+    """The info and the parts of an envelope; :class:`DecodeError` if it is not one."""
+    if not data.startswith(_MAGIC):
+        raise DecodeError(f"{where}: not a kvstream snapshot (expected {_MAGIC[:-1]!r} first)")
+    end = data.find(b"\n", len(_MAGIC))
+    if end < 0:
+        raise DecodeError(f"{where}: snapshot envelope without its info line")
+    info = SnapshotInfo.from_json(data[len(_MAGIC) : end], where)
+    view = memoryview(data)
+    parts: list[memoryview] = []
+    at = end + 1
+    for n in info.parts:
+        parts.append(view[at : at + n])
+        at += n
+    if at != len(data):
+        raise DecodeError(
+            f"{where}: snapshot of {len(data)} bytes, its info announces {at} (truncated?)"
+        )
+    return info, parts
+
+
+def snapshot_key(origin: str) -> str:
+    """A subject token unique to ``origin``: its readable token and a digest of its name."""
+    digest = hashlib.blake2b(origin.encode(), digest_size=6).hexdigest()
+    return f"{subject_token(origin)}-{digest}"
+
+
+def snapshot_subjects(origin: str) -> tuple[str, str]:
+    """``(head subject, part subject)`` of ``origin``'s snapshot on NATS."""
+    base = SNAPSHOT_SUBJECT_PREFIX + snapshot_key(origin)
+    return base + ".head", base + ".part"
+
+
+#: What covers every snapshot head.
+SNAPSHOT_HEADS: Final = SNAPSHOT_SUBJECT_PREFIX + "*.head"
+
+
+def redis_snapshot_key(stream: str, origin: str) -> str:
+    return f"{stream}:snapshot:{origin}"
+
+
+def redis_snapshot_index(stream: str) -> str:
+    return f"{stream}:snapshots"
+
+
+def redis_heartbeats_key(stream: str) -> str:
+    return f"{stream}:heartbeats"
+
+
+def heartbeat_subject(origin: str) -> str:
+    return HEARTBEAT_SUBJECT_PREFIX + subject_token(origin)
+
+
+def redis_position(entry_id: str) -> tuple[int, int]:
+    """A Redis entry id as a comparable pair."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+# -- heartbeats ---------------------------------------------------------------------
+
+
+class Heartbeat(NamedTuple):
+    """An idle publisher's sign of life: who, which epoch, its last seq, how often."""
+
+    origin: str
+    epoch: str
+    #: The last seq delivered (-1: none yet).
+    seq: int
+    #: Seconds between heartbeats; a reader deems the origin gone after two of them.
+    interval: float
+    #: Counts up with every heartbeat (a reader that polls sees it change).
+    beat: int = 0
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self._asdict())
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> Heartbeat:
+        try:
+            obj = orjson.loads(data)
+            hb = cls(**obj)
+        except (orjson.JSONDecodeError, TypeError) as exc:
+            raise DecodeError(f"not a heartbeat: {exc}") from None
+        if not (
+            type(hb.origin) is str
+            and type(hb.epoch) is str
+            and type(hb.seq) is int
+            and isinstance(hb.interval, int | float)
+            and hb.interval > 0
+            and type(hb.beat) is int
+        ):
+            raise DecodeError(f"heartbeat has a field of the wrong type: {obj!r:.120}")
+        return hb._replace(interval=float(hb.interval))
+
+
+# -- the sink's side of snapshots and heartbeats ----------------------------------------
+
+
+class SinkSnapshots:
+    """What a broker sink keeps to publish snapshots: the state of the batches it
+    delivered, where each origin's last one is in the stream, and when the next
+    snapshot is due (:class:`~kvstream.state.SnapshotSchedule`).
+
+    The sink calls :meth:`delivered` after each batch the broker acknowledged, in
+    stream order, and :meth:`take` when it is due: the snapshot is taken at that
+    batch boundary, from exactly the batches delivered, so its ``resume_seq`` and
+    ``position`` agree. A batch the sink discarded never reaches the keeper: the
+    origin's state is then unknown (a gap) until its next clear, and it gets no
+    snapshot meanwhile (a reader sees the gap as readers of the stream do).
+    """
+
+    def __init__(
+        self,
+        where: str,
+        *,
+        every: int | None,
+        interval: float | None,
+        max_bytes: int,
+        clock: Callable[[], float],
+    ) -> None:
+        self.where = where
+        self.keeper = StateKeeper(max_bytes=max_bytes)
+        self.schedule = SnapshotSchedule(every, interval, clock=clock)
+        self._positions: dict[str, str] = {}
+        self._warned: set[str] = set()
+        #: Snapshots published, and publications that failed (tried again when next due).
+        self.published = 0
+        self.failed = 0
+
+    def delivered(self, batch: EventBatch, position: str) -> bool:
+        """Keep ``batch`` (acknowledged at ``position``); True when a snapshot is due."""
+        try:
+            self.keeper.apply(batch)
+        except StateLimitError as exc:
+            log.error("%s: no more snapshots of this origin for now: %s", self.where, exc)
+        self._positions[batch.origin] = position
+        return self.schedule.due(batch)
+
+    def take(self, origin: str) -> tuple[Snapshot, str] | None:
+        """The origin's snapshot header (its events: ``keeper.snapshot_events``) and its
+        position, or None (logged once) if its state is unknown."""
+        try:
+            snap = self.keeper.snapshot_header(origin)
+        except StateError as exc:
+            if origin not in self._warned:
+                self._warned.add(origin)
+                log.warning("%s: cannot publish a snapshot: %s", self.where, exc)
+            return None
+        self._warned.discard(origin)
+        return snap, self._positions[origin]
+
+    def origins(self) -> dict[str, tuple[str, int]]:
+        """``{origin: (epoch, last seq delivered)}``: what heartbeats announce."""
+        out: dict[str, tuple[str, int]] = {}
+        for origin in self.keeper.origins():
+            pos = self.keeper.position(origin)
+            if pos is not None:
+                out[origin] = (pos[0], pos[1] - 1)
+        return out
+
+
+class Heartbeats:
+    """A broker sink's heartbeats: every ``interval`` seconds, each origin that
+    delivered no batch for that long is announced with ``beat(heartbeat)``.
+
+    Heartbeats start with an origin's first delivered batch (before it, the sink
+    does not know the origin's epoch). Started on the sink's enter, stopped on its
+    exit; a failed beat is logged at debug level and the next one is tried.
+    """
+
+    def __init__(
+        self,
+        interval: float,
+        where: str,
+        beat: Callable[[Heartbeat], Awaitable[None]],
+        *,
+        clock: Callable[[], float],
+    ) -> None:
+        self.interval = interval
+        self.where = where
+        self._beat = beat
+        self._clock = clock
+        self._last: dict[str, tuple[str, int, float]] = {}
+        self._beats = 0
+        self._tg: anyio.abc.TaskGroup | None = None
+        #: Heartbeats sent.
+        self.sent = 0
+
+    def delivered(self, batch: EventBatch) -> None:
+        self._last[batch.origin] = (batch.epoch, batch.seq, self._clock())
+
+    async def start(self) -> None:
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        tg.start_soon(self._run, name=f"kvstream heartbeats {self.where}")
+
+    async def stop(self) -> None:
+        tg, self._tg = self._tg, None
+        if tg is not None:
+            tg.cancel_scope.cancel()
+            await tg.__aexit__(None, None, None)
+
+    async def _run(self) -> None:
+        while True:
+            await anyio.sleep(self.interval)
+            now = self._clock()
+            for origin, (epoch, seq, when) in list(self._last.items()):
+                if now - when < self.interval * 0.5:
+                    continue  # a recent batch was the sign of life (silence stays <= 1.5 x)
+                self._beats += 1
+                try:
+                    await self._beat(Heartbeat(origin, epoch, seq, self.interval, self._beats))
+                    self.sent += 1
+                except Exception as exc:  # the next beat tries again; batches report outages
+                    log.debug("%s: heartbeat failed: %s", self.where, exc)
+
+
+def sink_snapshot_options(opts: Options) -> dict[str, Any]:
+    """The snapshot and heartbeat options of a broker sink URL, as keyword arguments.
+
+    ``snapshot_every`` (batches), ``snapshot_interval`` (seconds),
+    ``snapshot_max_bytes`` and ``heartbeat`` (seconds).
+    """
+    out: dict[str, Any] = {
+        "snapshot_every": opts.pop_int("snapshot_every", minimum=1),
+        "snapshot_interval": opts.pop_float("snapshot_interval"),
+        "heartbeat": opts.pop_float("heartbeat"),
+    }
+    max_bytes = opts.pop_int("snapshot_max_bytes", minimum=1)
+    if max_bytes is not None:
+        out["snapshot_max_bytes"] = max_bytes
+    return out

@@ -111,12 +111,12 @@ def _checked_hashes(event: str, hashes: object) -> list[BlockHash]:
 def _token_value(event: str, where: str, t: object) -> int:
     """One token id as an ``int``: numpy and other integer types are converted, bool refused."""
     if type(t) is int:
-        value: int = t  # type: ignore[assignment]
+        value: int = t
     elif type(t) is bool or isinstance(t, float | str | bytes):
         raise _fail_type(event, where, t, "an int")
     else:
         try:
-            value = operator.index(t)  # numpy integers and the like
+            value = operator.index(t)  # type: ignore[arg-type]  # numpy integers and the like
         except TypeError:
             raise _fail_type(event, where, t, "an int") from None
     if not 0 <= value < _HASH_LIMIT:
@@ -125,7 +125,7 @@ def _token_value(event: str, where: str, t: object) -> int:
 
 
 def _is_pair(t: object) -> bool:
-    return (type(t) is list or type(t) is tuple) and len(t) == 2  # type: ignore[arg-type]
+    return (type(t) is list or type(t) is tuple) and len(t) == 2
 
 
 def _flatten_pairs(
@@ -169,7 +169,7 @@ def _checked_tokens(event: str, tokens: object) -> list[int]:
         if not isinstance(tokens, Sequence) or isinstance(tokens, str | bytes):
             raise _fail_type(event, "token_ids", tokens, "a list of int")
         tokens = list(tokens)
-    items: list[Any] = tokens  # type: ignore[assignment]
+    items: list[Any] = tokens
     if items and _INT_ONLY.issuperset(map(type, items)):
         try:
             array("Q").fromlist(items)

@@ -89,4 +89,4 @@ def canonical_medium(medium: str) -> str | None:
 def check_media_policy(policy: object) -> MediaPolicy:
     if policy not in MEDIA_POLICIES:
         raise ConfigError(f"media: expected one of {', '.join(MEDIA_POLICIES)}, got {policy!r}")
-    return policy  # type: ignore[return-value]
+    return policy

@@ -98,7 +98,7 @@ _LORA_NAME_AT: Final = STORED_FIELDS.index("lora_name")
 def check_dialect(dialect: object) -> Dialect:
     if dialect not in DIALECTS:
         raise ConfigError(f"dialect: expected one of {', '.join(DIALECTS)}, got {dialect!r}")
-    return dialect  # type: ignore[return-value]
+    return dialect
 
 
 # -- JSON-safe carriage of foreign values ------------------------------------------------
@@ -163,7 +163,7 @@ def read_event(raw: Any, dialect: Dialect = "auto", media: MediaPolicy = "keep")
         if spec is None:
             raise DecodeError(f"type: expected {_TAGS}, got {shorten(tag)}")
         cls = spec[0]
-        known = _KNOWN_MAP[tag]
+        known = _KNOWN_MAP[cls.type_name]
         fields: dict[str, Any] = {}
         extra: dict[str, Any] = {}
         for k, v in raw.items():

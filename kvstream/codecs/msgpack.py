@@ -56,6 +56,7 @@ from kvstream.codecs import dialects
 from kvstream.codecs.dialects import DIALECTS, Dialect, check_dialect, read_event
 from kvstream.errors import ConfigError, DecodeError, KVStreamError
 from kvstream.events import (
+    WIRE_KEY,
     AllBlocksCleared,
     BlockHash,
     BlockRemoved,
@@ -63,7 +64,6 @@ from kvstream.events import (
     EventBatch,
     KVCacheEvent,
 )
-from kvstream.events import WIRE_KEY
 from kvstream.media import CANONICAL_MEDIA, MEDIA_POLICIES, MediaPolicy, canonical_medium
 
 if TYPE_CHECKING:
@@ -498,18 +498,18 @@ class MsgpackCodec:
                 "use metadata=False with strict"
             )
         if strict_media is None:
-            media = STRICT_MEDIA
+            strict_set = STRICT_MEDIA
         else:
             if isinstance(strict_media, str) or not all(type(m) is str and m for m in strict_media):
                 raise ConfigError(
                     f"msgpack codec: strict_media: expected a list of tier names, "
                     f"got {strict_media!r}"
                 )
-            media = frozenset(strict_media)
+            strict_set = frozenset(strict_media)
         self.profile: Profile = profile
         self.metadata = metadata
         self.strict: Strictness = strict
-        self._media: frozenset[str] = media
+        self._media: frozenset[str] = strict_set
         self.dialect: Dialect = check_dialect(dialect)
         self.media: MediaPolicy = media
         self._refusals = _RefusalLog()

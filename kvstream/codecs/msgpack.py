@@ -43,7 +43,6 @@ not given). Bytes that are not one valid batch raise
 
 from __future__ import annotations
 
-import logging
 import math
 from array import array
 from collections.abc import Callable, Sequence
@@ -54,6 +53,7 @@ from msgspec.structs import astuple
 
 from kvstream.codecs import dialects
 from kvstream.codecs.dialects import DIALECTS, Dialect, check_dialect, read_event
+from kvstream.codecs.refusals import RefusalLog
 from kvstream.errors import ConfigError, DecodeError, KVStreamError
 from kvstream.events import (
     WIRE_KEY,
@@ -92,7 +92,6 @@ STRICTNESS: Final[tuple[str, ...]] = ("refuse", "convert")
 STRICT_MEDIA: Final = frozenset({*CANONICAL_MEDIA, "CPU_PINNED"})
 
 _U64_MASK: Final = (1 << 64) - 1
-_log = logging.getLogger("kvstream.codecs")
 
 
 # -- the wire structs: vLLM's declarations, field for field ---------------------------
@@ -378,34 +377,6 @@ def _event_type_of(raw: Any) -> str:
     return tag if type(tag) is str and len(tag) <= 40 else "?"
 
 
-class _RefusalLog:
-    """Counts the events a codec's plain :meth:`decode` left out; logs once per burst."""
-
-    __slots__ = ("burst", "count")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.burst = False
-
-    def note(self, refused: tuple[Refusal, ...], seq: int, origin: str) -> None:
-        if not refused:
-            self.burst = False
-            return
-        self.count += len(refused)
-        if not self.burst:
-            self.burst = True
-            _log.warning(
-                "msgpack decode: %d event(s) of %s seq %d refused, the rest delivered "
-                "(first: events[%d] %s: %s); further refusals in this burst are counted only",
-                len(refused),
-                origin or "batch",
-                seq,
-                refused[0].position,
-                refused[0].event_type,
-                refused[0].reason,
-            )
-
-
 def _batch_parts(obj: Any) -> tuple[Any, Any, Any]:
     """``(ts, events, data_parallel_rank)`` of a decoded batch, array or map."""
     if type(obj) is list:
@@ -512,7 +483,7 @@ class MsgpackCodec:
         self._media: frozenset[str] = strict_set
         self.dialect: Dialect = check_dialect(dialect)
         self.media: MediaPolicy = media
-        self._refusals = _RefusalLog()
+        self._refusals = RefusalLog("msgpack decode")
         # -- profile dispatch: vLLM's profiles here, the other dialects' in dialects.py
         to_wire = _TO_WIRE.get((profile, metadata))
         self._to_wire = to_wire if to_wire is not None else dialects.ENCODERS[profile]

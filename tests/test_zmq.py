@@ -640,7 +640,7 @@ async def test_late_joiner_replays_from_seq_then_follows_live() -> None:
             for i in range(10, 14):
                 scheduler.emit(stored(i))
                 await scheduler.tick()
-        late = ZmqSubscriber(ZmqPublisher(sink.endpoint))  # no from_seq: joins live
+        late = ZmqSubscriber(ZmqPublisher(sink.endpoint, join="live"))  # joins where it hears
         async with late, anyio.create_task_group() as tg:
             joined: list[EventBatch | Gap] = []
 
@@ -772,15 +772,22 @@ async def test_gap_without_replay_is_reported(ctx: Sockets) -> None:
         await pub.send_multipart(
             [b"", wire.pack_seq(9), codec.encode(EventBatch(seq=9, ts=1.0, events=[]))]
         )
+    # A fresh publisher first heard at seq 5: batches 0..4 are a gap, never silent (14.6).
     assert [(type(i).__name__, getattr(i, "seq", None)) for i in got] == [
+        ("Gap", None),
         ("EventBatch", 5),
         ("Gap", None),
         ("EventBatch", 9),
     ]
-    gap = got[1]
-    assert isinstance(gap, Gap)
+    first, gap = got[0], got[2]
+    assert isinstance(first, Gap) and isinstance(gap, Gap)
+    assert (first.first_missing, first.next_seq) == (0, 5)
+    assert "before the subscriber heard" in first.reason
     assert (gap.first_missing, gap.next_seq) == (6, 9)
     assert "no replay endpoint" in gap.reason
+    # The seq 5 the wait loop sent again and again: duplicates, never restarts (15.7).
+    (st,) = sub.statistics()
+    assert (st.restarts, st.batches) == (0, 2)
 
 
 # -- the protocol state, without sockets -----------------------------------------------------------

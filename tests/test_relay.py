@@ -56,6 +56,10 @@ class VllmStylePublisher(threading.Thread):
         )
         self.commands.put((seq, payload, live))
 
+    def publish_raw(self, seq: int, payload: bytes, *, live: bool = True) -> None:
+        """Publish a payload frame as it is (another dialect's bytes)."""
+        self.commands.put((seq, payload, live))
+
     def run(self) -> None:
         ctx = zmq.Context()
         pub = ctx.socket(zmq.PUB)
@@ -72,7 +76,8 @@ class VllmStylePublisher(threading.Thread):
                         seq, payload, live = self.commands.get_nowait()
                     except queue.Empty:
                         break
-                    self.ring.append((seq, payload))
+                    if not (self.ring and self.ring[-1][0] == seq):  # a resend is not kept twice
+                        self.ring.append((seq, payload))
                     if live:
                         pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
                 if poller.poll(5):

@@ -151,7 +151,7 @@ WRITTEN_BACK = {
 }
 
 
-# -- golden messages ---------------------------------------------------------------------------
+# -- golden messages -------------------------------------------------------------------------------
 
 
 def test_the_golden_file_is_what_the_dialect_structs_write() -> None:
@@ -238,7 +238,7 @@ def test_profiles_are_url_options_and_refuse_metadata() -> None:
         MsgpackCodec(profile="sglang", metadata=True)
 
 
-# -- media -------------------------------------------------------------------------------------
+# -- media -----------------------------------------------------------------------------------------
 
 
 def test_the_media_table_maps_every_alias_and_keeps_the_canonical_names() -> None:
@@ -266,7 +266,7 @@ def test_normalized_media_keep_the_raw_spelling_and_write_it_back() -> None:
     assert (event.medium, event.metadata) == ("DISK", wire(medium="NVME"))  # type: ignore[attr-defined]
 
 
-# -- shapes: accepted where an engine sends them, refused where none does ----------------------------
+# -- shapes: accepted where an engine sends them, refused where none does --------------------------
 
 
 def test_token_shapes_engines_send_are_accepted() -> None:
@@ -315,7 +315,7 @@ def test_numpy_token_ids_become_ints() -> None:
     assert MsgpackCodec().decode(MsgpackCodec().encode(EventBatch(seq=0, ts=1.0, events=[e])))
 
 
-# -- property: A -> kvstream -> B keeps what both carry -----------------------------------------------
+# -- property: A -> kvstream -> B keeps what both carry --------------------------------------------
 
 _VLLM = (
     "block_hashes",
@@ -369,7 +369,7 @@ def test_any_event_survives_dialect_a_to_kvstream_to_dialect_b(
             assert getattr(after, field) == getattr(before, field), (a, b, field)
 
 
-# -- the relay: a stream of each dialect, refused shapes mixed in, into a file -------------------------
+# -- the relay: a stream of each dialect, refused shapes mixed in, into a file ---------------------
 
 #: Events no dialect reads, mixed into the streams: each costs only itself.
 FOREIGN = [

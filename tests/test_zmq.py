@@ -780,7 +780,8 @@ async def test_gap_without_replay_is_reported(ctx: Sockets) -> None:
         ("EventBatch", 9),
     ]
     first, gap = got[0], got[2]
-    assert isinstance(first, Gap) and isinstance(gap, Gap)
+    assert isinstance(first, Gap)
+    assert isinstance(gap, Gap)
     assert (first.first_missing, first.next_seq) == (0, 5)
     assert "before the subscriber heard" in first.reason
     assert (gap.first_missing, gap.next_seq) == (6, 9)

@@ -30,14 +30,22 @@ refuses only what it cannot convert. The batch itself is never refused: its
 ``seq`` stays used. :meth:`MsgpackCodec.encode_screened` returns what was
 refused, so a sink can count and log it (the ZMQ sink does).
 
-Decoding accepts both profiles, positional arrays of every length a vLLM
-version produced (``BlockStored`` from 6 elements, tag included, up; trailing
-elements a later version might add are ignored, as msgspec does), batches of
-2 elements (no rank) and a batch written as a map.
+Three more output profiles write the other consumers' dialects: ``sglang``,
+``sglang-positional`` and ``llm-d-2025-12``; their encoders live in
+:mod:`kvstream.codecs.dialects` and are picked by the profile dispatch in
+:class:`MsgpackCodec`'s constructor.
+
+Decoding reads every engine dialect (:mod:`kvstream.codecs.dialects`: vLLM map
+and positional of every historical length, SGLang map and positional,
+TensorRT-LLM's vLLM wire), batches of 2 elements (no rank) and a batch written
+as a map. It is per event: an event no dialect reads is left out and counted,
+the rest is delivered (:meth:`MsgpackCodec.decode_screened` returns the
+refusals). ``dialect=`` pins a dialect; ``media="normalize"`` maps ``medium``
+through :mod:`kvstream.media`'s table.
 
 msgpack carries no ``seq``, ``origin`` or ``epoch``: the transport knows them,
 so :meth:`MsgpackCodec.decode` takes them as keyword arguments (0 and "" when
-not given). Bytes that are not one valid batch raise
+not given). Bytes that are not a batch at all raise
 :class:`~kvstream.errors.DecodeError` naming what was wrong, and nothing else.
 """
 

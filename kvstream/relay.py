@@ -83,6 +83,9 @@ class RelayStatistics(NamedTuple):
     failed: tuple[str, ...]
     #: Upstream gaps marked in the output (``on_gap="clear"``).
     gaps_marked: int = 0
+    #: Events the subscribers' decoders refused (no dialect reads them); the rest of
+    #: their batches was carried.
+    events_refused: int = 0
 
 
 class _Feed:
@@ -367,7 +370,19 @@ class Relay:
             origins=tuple(self._feeds),
             failed=tuple(self._failed),
             gaps_marked=self._gaps_marked,
+            events_refused=sum(_refused_by(sub) for sub in self.subscribers),
         )
+
+
+def _refused_by(sub: Subscriber) -> int:
+    """Events a subscriber's decoder refused: per origin (ZMQ) or its codec's count."""
+    stats = getattr(sub, "statistics", None)
+    if callable(stats):
+        records = stats()
+        if isinstance(records, tuple) and all(hasattr(r, "events_refused") for r in records):
+            return sum(int(r.events_refused) for r in records)
+    refused = getattr(getattr(sub, "codec", None), "events_refused", 0)
+    return refused if type(refused) is int else 0
 
 
 def gap_marker(gap: Gap) -> AllBlocksCleared:

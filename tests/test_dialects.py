@@ -475,3 +475,5 @@ def test_relay_carries_every_dialect_with_refused_shapes_once_and_in_order(
     summary = err.strip().splitlines()[-1]
     assert "1 upstream gap(s) (1 batches, 1 marked)" in summary
     assert "0 restart(s)" in summary
+    # One foreign event in each batch that arrived, each refused alone.
+    assert f"{len(names) * n - 1} event(s) refused" in summary

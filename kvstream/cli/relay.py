@@ -129,6 +129,8 @@ def _summary(relay: Relay, report: CloseReport, sinks: list[Sink], elapsed: floa
         f"{st.gaps} upstream gap(s) ({st.missing} batches, {st.gaps_marked} marked), "
         f"{st.restarts} restart(s)"
     )
+    if st.events_refused:
+        text += f"; {st.events_refused} event(s) refused (no dialect reads them)"
     if st.failed:
         text += f"; failed: {', '.join(st.failed)}"
     return text

@@ -477,3 +477,69 @@ def test_relay_carries_every_dialect_with_refused_shapes_once_and_in_order(
     assert "0 restart(s)" in summary
     # One foreign event in each batch that arrived, each refused alone.
     assert f"{len(names) * n - 1} event(s) refused" in summary
+
+
+# -- property: an engine's own dialect round-trips through kvstream byte for byte ------------------
+
+I64 = st.integers(-(2**63), 2**63 - 1)
+TOKEN = st.integers(0, 2**32 - 1)
+SGLANG_MEDIA = st.sampled_from(
+    [None, "GPU", "CPU_PINNED", "DISK", "EXTERNAL", "cpu", "device(type='cuda', index=0)", "X"]
+)
+
+
+@st.composite
+def sglang_stored(draw: st.DrawFn) -> dw.SglangStored:
+    n = draw(st.integers(0, 3))
+    size = draw(st.integers(1, 4))
+    blocks = draw(st.integers(n, n + 2))
+    tokens: list[Any] = draw(st.lists(TOKEN, min_size=blocks * size, max_size=blocks * size))
+    if tokens and draw(st.booleans()):  # EAGLE pages: (token, next) pairs
+        if draw(st.booleans()):
+            tail = draw(TOKEN)
+            tokens = [(t, u) for t, u in zip(tokens, [*tokens[1:], tail], strict=True)]
+        else:
+            tokens = [(t, draw(TOKEN)) for t in tokens]
+    return dw.SglangStored(
+        draw(st.lists(I64, min_size=n, max_size=n)),
+        draw(st.none() | I64),
+        tokens,
+        size,
+        draw(st.none() | I64),
+        draw(SGLANG_MEDIA),
+        draw(st.none() | st.text(max_size=6)),
+        cache_salt=draw(st.none() | st.text(max_size=6)),
+        session_id=draw(st.none() | st.text(max_size=6)),
+    )
+
+
+sglang_events = st.one_of(
+    sglang_stored(),
+    st.builds(dw.SglangRemoved, st.lists(I64, max_size=3), SGLANG_MEDIA),
+    st.just(dw.SglangCleared()),
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(sglang_events, max_size=5), st.none() | st.integers(0, 7), st.booleans())
+def test_sglang_events_round_trip_through_kvstream_byte_for_byte(
+    events: list[Any], rank: int | None, normalize: bool
+) -> None:
+    data = msgspec.msgpack.encode(dw.SglangBatch(1767225600.25, events, rank))
+    codec = MsgpackCodec(media="normalize" if normalize else "keep")
+    batch, refused = codec.decode_screened(data)
+    assert refused == ()
+    assert MsgpackCodec(profile="sglang").encode(batch) == data
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(any_event, max_size=5))
+def test_vllm_map_events_round_trip_through_kvstream_byte_for_byte(
+    events: list[KVCacheEvent],
+) -> None:
+    # What a vLLM engine publishes (its structs), through kvstream's reader and map profile.
+    wire_events = [vllm.to_vllm(e) for e in events]
+    data = msgspec.msgpack.encode(vllm.KVEventBatch(1767225600.5, wire_events, 0))
+    batch, refused = MsgpackCodec().decode_screened(data)
+    assert refused == ()
+    assert MsgpackCodec().encode(batch) == data

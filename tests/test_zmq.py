@@ -1053,3 +1053,20 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def test_a_bound_endpoint_keeps_at_most_max_fan_in_origins(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstream.consumers import zmq as ingest
+
+    monkeypatch.setattr(ingest, "MAX_FAN_IN", 2)
+    link = ingest._Link(
+        ZmqPublisher("tcp://127.0.0.1:1", bind=True, origin="c"),
+        lambda origin, topic, exact: _stream(),
+    )
+    payload = _p(0)
+    first, fresh = link.stream_for(b"a", payload, 0.0)
+    assert fresh
+    assert link.stream_for(b"a", payload, 0.0) == (first, False)
+    link.stream_for(b"b", payload, 0.0)
+    with pytest.raises(DecodeError, match="the limit"):
+        link.stream_for(b"c", payload, 0.0)

@@ -111,6 +111,9 @@ DEFAULT_MAX_REORDER_BYTES: Final = 64 * 1024 * 1024
 _SUSPEND_FACTOR: Final = 6.0
 #: Messages read from one socket before the others get a turn.
 _READ_BUDGET: Final = 256
+#: Origins one bound endpoint keeps apart; messages of further ones are refused
+#: (counted, logged once), so a peer inventing topics cannot grow memory without bound.
+MAX_FAN_IN: Final = 1024
 
 #: Where a fresh publisher's stream begins: at seq 0 (replayed or reported as a
 #: gap) or at the first batch heard.
@@ -588,6 +591,11 @@ class _Link:
         stream = self.streams.get(key)
         if stream is not None:
             return stream, False
+        if len(self.streams) >= MAX_FAN_IN:
+            raise DecodeError(
+                f"fan-in: {len(self.streams)} origins on {self.spec.endpoint} already (the "
+                f"limit); topic {topic[:60]!r} rank {key[1]!r} refused"
+            )
         name = self.spec.origin_name
         if topic:
             name += "/" + topic.decode("utf-8", "replace")
@@ -679,6 +687,7 @@ class ZmqSubscriber(Subscriber):
         self._gen: AsyncGenerator[SubscriberItem, None] | None = None
         #: Malformed messages on a bound link that no origin could be told from.
         self._fan_in_malformed = 0
+        self._fan_in_burst = False
         self._closed = False
         self._stopping = False
         self._stop_grace = 0.0
@@ -691,6 +700,14 @@ class ZmqSubscriber(Subscriber):
     def statistics(self) -> tuple[PublisherStatistics, ...]:
         """One record per origin: per connected publisher, per fan-in origin heard."""
         return tuple(s.statistics() for s in self._streams())
+
+    @property
+    def unattributed(self) -> int:
+        """Messages on a bound endpoint skipped before any origin could be told from them.
+
+        Malformed frames, and publishers beyond :data:`MAX_FAN_IN` origins.
+        """
+        return self._fan_in_malformed
 
     def _streams(self) -> Iterator[PublisherStream]:
         for link in self._links:
@@ -900,8 +917,15 @@ class ZmqSubscriber(Subscriber):
                     stream.on_malformed(str(exc))
                 else:
                     self._fan_in_malformed += 1
-                    log.warning("%s: malformed message skipped: %s", link.spec.endpoint, exc)
+                    if not self._fan_in_burst:
+                        self._fan_in_burst = True
+                        log.warning(
+                            "%s: message skipped (counted only for the rest of the burst): %s",
+                            link.spec.endpoint,
+                            exc,
+                        )
                 continue
+            self._fan_in_burst = False
             if stream is not None and (stream.requests or stream.reset_dealer):
                 break  # let the loop send the next replay request first
         return out

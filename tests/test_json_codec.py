@@ -371,3 +371,12 @@ def test_fuzz_near_valid_lines(batch: EventBatch, decimal: bool, data: st.DataOb
     line = codec.encode(batch)
     cut = data.draw(st.integers(0, len(line)))
     decode_or_refuse(codec, line[:cut])
+
+
+def test_decode_lines_still_refuses_a_file_with_a_bad_event() -> None:
+    # A whole file of kvstream's own (kvstream verify): a bad event is damage, named.
+    codec = JsonCodec()
+    good = codec.encode(batch_of(AllBlocksCleared(), seq=0))
+    bad = line_with(events=[{"type": "Nope"}]) + b"\n"
+    with pytest.raises(DecodeError, match=r"^line 2: events\[0\]: type"):
+        codec.decode_lines(good + bad)

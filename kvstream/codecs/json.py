@@ -222,16 +222,23 @@ class JsonCodec:
     def decode_lines(self, data: bytes) -> list[EventBatch]:
         """Every batch in ``data`` (JSON lines; blank lines are skipped).
 
-        A bad line raises :class:`DecodeError` naming its 1-based line number.
+        A bad line raises :class:`DecodeError` naming its 1-based line number,
+        and so does a line with an event that does not validate (this reads a
+        whole file of kvstream's own, as ``kvstream verify`` does, where such an
+        event means damage; the streaming decoders deliver the rest instead).
         """
         out: list[EventBatch] = []
         for lineno, line in enumerate(data.splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                out.append(self.decode(line))
+                batch, refused = self.decode_screened(line)
             except DecodeError as exc:
                 raise DecodeError(f"line {lineno}: {exc}") from None
+            if refused:
+                first = refused[0]
+                raise DecodeError(f"line {lineno}: events[{first.position}]: {first.reason}")
+            out.append(batch)
         return out
 
     def batch_from_dict(self, obj: Any) -> EventBatch:

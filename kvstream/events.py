@@ -188,8 +188,11 @@ def _checked_token_count(event: str, n_tokens: int, size: int, n_hashes: int) ->
       and there are at least as many blocks of tokens as hashes. vLLM's block
       pool skips null blocks (sliding-window and Mamba groups) when it collects
       the hashes but keeps every block's tokens, so a group with skipped blocks
-      sends fewer hashes than token blocks, possibly none. A partial last page
-      (SGLang) is one block with ``block_size = len(token_ids)``.
+      sends fewer hashes than token blocks, possibly none. The skipped blocks
+      are the leading ones (outside the sliding window; Mamba's align-mode
+      padding), so the hashes belong to the last ``len(block_hashes)`` blocks
+      of tokens. A partial last page (SGLang) is one block with
+      ``block_size = len(token_ids)``.
     """
     if size == 0:
         if n_tokens:

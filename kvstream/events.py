@@ -180,6 +180,13 @@ def _checked_tokens(event: str, tokens: object) -> list[int]:
     return [_token_value(event, f"token_ids[{i}]", t) for i, t in enumerate(items)]
 
 
+def _as_token_list(event: str, tokens: object) -> list[Any]:
+    """``token_ids`` given as another sequence (a tuple), as a list."""
+    if not isinstance(tokens, Sequence) or isinstance(tokens, str | bytes):
+        raise _fail_type(event, "token_ids", tokens, "a list of int")
+    return list(tokens)
+
+
 def _checked_token_count(event: str, n_tokens: int, size: int, n_hashes: int) -> None:
     """The rule for how many tokens a ``BlockStored`` carries, from what engines send.
 
@@ -389,9 +396,9 @@ class BlockStored(KVCacheEvent, kw_only=True, frozen=True, gc=False):
             force_setattr(self, "block_hashes", hashes)
         tokens = self.token_ids
         if type(tokens) is not list:
-            tokens = _checked_tokens(name, tokens)
+            tokens = _as_token_list(name, tokens)
             force_setattr(self, "token_ids", tokens)
-        elif tokens:
+        if tokens:
             # In C: every token an integer in [0, 2**64) (fromlist), and every one
             # of type int (bool and numpy ints pass fromlist): two passes at about
             # the cost of serializing the list.

@@ -543,3 +543,10 @@ def test_vllm_map_events_round_trip_through_kvstream_byte_for_byte(
     batch, refused = MsgpackCodec().decode_screened(data)
     assert refused == ()
     assert MsgpackCodec().encode(batch) == data
+
+
+def test_eagle_pairs_as_tuples_of_tuples_are_read_too() -> None:
+    e = BlockStored(
+        block_hashes=[1], parent_block_hash=None, token_ids=((1, 2), (2, 3)), block_size=2
+    )
+    assert (e.token_ids, e.metadata) == ([1, 2], wire(token_pairs_next=3))

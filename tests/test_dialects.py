@@ -550,3 +550,65 @@ def test_eagle_pairs_as_tuples_of_tuples_are_read_too() -> None:
         block_hashes=[1], parent_block_hash=None, token_ids=((1, 2), (2, 3)), block_size=2
     )
     assert (e.token_ids, e.metadata) == ([1, 2], wire(token_pairs_next=3))
+
+
+def test_relay_lets_a_vllm_only_consumer_read_sglang(tmp_path: Path) -> None:
+    """``kvstream relay --source <sglang> --sink zmq+tcp://...?profile=map`` (issue 14.4)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import zmq
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    source = VllmStylePublisher()
+    source.start()
+    assert source.ready.wait(10)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 200)
+    name = "sglang-map-eagle-partial-signed"
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "kvstream", "relay", "--interval", "0.02"),
+            *("--source", f"zmq+tcp://127.0.0.1:{source.pub_port}?origin=sglang-0&join=live"),
+            *("--sink", f"zmq+tcp://127.0.0.1:{port}?bind=true&profile=map"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    got: list[Any] = []
+    try:
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        deadline = time.monotonic() + 30
+        seq = 0
+        # Batches go out until the vLLM-only reader has three: the first ones may be lost
+        # to either slow joiner (this test checks what is read, not continuity).
+        while len(got) < 3 and time.monotonic() < deadline and proc.poll() is None:
+            source.publish_raw(seq, golden_bytes(name))
+            seq += 1
+            try:
+                frames = sub.recv_multipart()
+            except zmq.Again:
+                continue
+            got.append(vllm.decoder.decode(frames[2]))  # unknown fields refused
+    finally:
+        code, err = stop(proc)
+        sub.close(linger=0)
+        ctx.term()
+        source.stopping.set()
+        source.join(10)
+    assert code == 0, err
+    assert len(got) >= 3, err
+    for batch in got:
+        assert batch.events[0] == vllm.BlockStored(
+            [-4242], None, [11, 12, 13, 14], 4, None, "GPU", None
+        )
+        assert batch.events[1].medium == "CPU_PINNED"
+        assert batch.data_parallel_rank == 2

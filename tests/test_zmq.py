@@ -1070,3 +1070,43 @@ def test_a_bound_endpoint_keeps_at_most_max_fan_in_origins(monkeypatch: pytest.M
     link.stream_for(b"b", payload, 0.0)
     with pytest.raises(DecodeError, match="the limit"):
         link.stream_for(b"c", payload, 0.0)
+
+
+def test_fan_in_replies_from_a_shared_ring_go_to_the_origin_that_asked() -> None:
+    from kvstream.consumers import zmq as ingest
+
+    def make(origin: str, topic: bytes, exact: bool) -> PublisherStream:
+        return PublisherStream(
+            origin, codec=_codec, has_replay=True, topic=topic, exact_topic=exact
+        )
+
+    link = ingest._Link(
+        ZmqPublisher("tcp://127.0.0.1:1", replay_endpoint="tcp://127.0.0.1:2", bind=True),
+        make,
+    )
+
+    def payload(seq: int) -> bytes:
+        return _codec.encode(
+            EventBatch(seq=seq, ts=1.0, events=[stored(seq)], data_parallel_rank=0)
+        )
+
+    a, _ = link.stream_for(b"kv@a@m", payload(0), 0.0)
+    b, _ = link.stream_for(b"kv@b@m", payload(0), 0.0)
+    for s in (a, b):
+        s.start(None, 0.0)
+        assert s.on_live(2, payload(2), 0.0) == []  # first heard at 2: replay from 0
+        link.inflight.append(s)  # what _send_requests does once a request is sent
+    ring = [(topic, seq) for seq in range(3) for topic in (b"kv@a@m", b"kv@b@m")]
+    out: dict[str, list[Any]] = {a.origin: [], b.origin: []}
+    for _ in range(2):  # each request is answered with the whole shared ring, then the end
+        for topic, seq in ring:
+            reply = wire.ReplayBatch(topic, seq, payload(seq))
+            target = link.route_reply(reply)
+            assert target is not None
+            out[target.origin] += target.on_replay(reply, 0.1)
+        target = link.route_reply(None)
+        assert target is not None
+        out[target.origin] += target.on_replay(None, 0.1)
+    assert {k: _seqs(v) for k, v in out.items()} == {a.origin: [0, 1, 2], b.origin: [0, 1, 2]}
+    assert not link.inflight
+    assert {a.origin, b.origin} == {"127.0.0.1:1/kv@a@m#dp0", "127.0.0.1:1/kv@b@m#dp0"}

@@ -95,6 +95,17 @@ class SglangRemovedPos(msgspec.Struct, tag="BlockRemoved", array_like=True):
     medium: str | None
 
 
+class SglangStoredPosNoMeta(msgspec.Struct, tag="BlockStored", array_like=True):
+    """SGLang's positional BlockStored without the metadata map (tag + 6, medium optional)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int | tuple[int, int]]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+
 class SglangBatch(msgspec.Struct, array_like=True):
     ts: float
     events: list[Any]
@@ -115,6 +126,19 @@ sglang_pos_decoder = msgspec.msgpack.Decoder(
         [
             ("ts", float),
             ("events", list[SglangStoredPos | SglangRemovedPos | VllmClearedPos]),
+            ("attn_dp_rank", int | None),
+        ],
+        array_like=True,
+    )
+)
+
+
+sglang_pos_no_meta_decoder = msgspec.msgpack.Decoder(
+    msgspec.defstruct(
+        "SglangPosNoMetaBatch",
+        [
+            ("ts", float),
+            ("events", list[SglangStoredPosNoMeta | SglangRemovedPos | VllmClearedPos]),
             ("attn_dp_rank", int | None),
         ],
         array_like=True,

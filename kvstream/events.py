@@ -153,11 +153,21 @@ def _flatten_pairs(
         wire = {"token_pairs_next": seconds[-1]}
     else:
         wire = {"token_pairs_second": seconds}
+    return firsts, with_wire(metadata, wire, event)
+
+
+def with_wire(metadata: object, wire: Mapping[str, Any], event: str = "event") -> dict[str, Any]:
+    """``metadata`` (copied) with ``wire``'s entries merged into ``metadata["wire"]``."""
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise _fail_type(event, "metadata", metadata, "a str-keyed mapping or None")
     meta = dict(metadata) if metadata else {}
-    merged = dict(meta.get(WIRE_KEY) or {})
+    old = meta.get(WIRE_KEY)
+    if old is not None and not isinstance(old, Mapping):
+        raise _fail_type(event, f"metadata.{WIRE_KEY}", old, "a str-keyed mapping or None")
+    merged = dict(old) if old else {}
     merged.update(wire)
     meta[WIRE_KEY] = merged
-    return firsts, meta
+    return meta
 
 
 def _checked_tokens(event: str, tokens: object) -> list[int]:

@@ -614,3 +614,20 @@ def test_relay_lets_a_vllm_only_consumer_read_sglang(tmp_path: Path) -> None:
         )
         assert batch.events[1].medium == "CPU_PINNED"
         assert batch.data_parallel_rank == 2
+
+
+def test_a_non_map_wire_entry_costs_only_its_event_when_normalizing() -> None:
+    bad = {"type": "BlockRemoved", "block_hashes": [1], "medium": "NVME", "metadata": {"wire": 3}}
+    good = {"type": "BlockRemoved", "block_hashes": [2], "medium": "NVME"}
+    data = msgspec.msgpack.encode([1.0, [bad, good], 0])
+    batch, refused = MsgpackCodec(media="normalize").decode_screened(data)
+    assert [r.position for r in refused] == [0]
+    assert "metadata.wire" in refused[0].reason
+    assert batch.events == [
+        BlockRemoved(block_hashes=[2], medium="DISK", metadata=wire(medium="NVME"))
+    ]
+    with pytest.raises(InvalidEventError, match=r"metadata\.wire"):
+        BlockStored(
+            block_hashes=[1], parent_block_hash=None, token_ids=[[1, 2]], block_size=1,
+            metadata={"wire": 3},
+        )  # fmt: skip

@@ -46,6 +46,7 @@ from kvstream.events import (
     BlockStored,
     KVCacheEvent,
     shorten,
+    with_wire,
 )
 from kvstream.media import MediaPolicy, canonical_medium
 
@@ -135,18 +136,6 @@ def from_json_safe(value: Any) -> Any:
     return value
 
 
-def _with_wire(fields: dict[str, Any], wire: dict[str, Any]) -> None:
-    """Merge ``wire`` into ``fields["metadata"]["wire"]``."""
-    meta = fields.get("metadata")
-    if meta is not None and type(meta) is not dict:
-        return  # the event's own validation names it
-    meta = dict(meta) if meta else {}
-    merged = dict(meta.get(WIRE_KEY) or {})
-    merged.update(wire)
-    meta[WIRE_KEY] = merged
-    fields["metadata"] = meta
-
-
 # -- reading ------------------------------------------------------------------------------
 
 
@@ -218,7 +207,7 @@ def read_event(raw: Any, dialect: Dialect = "auto", media: MediaPolicy = "keep")
                 wire["medium"] = medium
                 fields["medium"] = canon
     if wire:
-        _with_wire(fields, wire)
+        fields["metadata"] = with_wire(fields.get("metadata"), wire, cls.type_name)
     return cls(**fields)
 
 

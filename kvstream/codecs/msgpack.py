@@ -64,13 +64,13 @@ from kvstream.codecs.dialects import DIALECTS, Dialect, check_dialect, read_even
 from kvstream.codecs.refusals import RefusalLog
 from kvstream.errors import ConfigError, DecodeError, KVStreamError
 from kvstream.events import (
-    WIRE_KEY,
     AllBlocksCleared,
     BlockHash,
     BlockRemoved,
     BlockStored,
     EventBatch,
     KVCacheEvent,
+    with_wire,
 )
 from kvstream.media import CANONICAL_MEDIA, MEDIA_POLICIES, MediaPolicy, canonical_medium
 
@@ -658,20 +658,24 @@ class MsgpackCodec:
             ts = fast.ts
             if math.isfinite(ts):
                 events: list[KVCacheEvent] = fast.events  # type: ignore[assignment]
-                if self.media == "normalize":
-                    events = [_normalized(e) for e in events]
                 try:
-                    batch = EventBatch(
-                        seq=seq,
-                        ts=ts,
-                        events=events,
-                        data_parallel_rank=fast.data_parallel_rank,
-                        origin=origin,
-                        epoch=epoch,
-                    )
-                except KVStreamError as exc:
-                    raise DecodeError(str(exc)) from None
-                return batch, ()
+                    if self.media == "normalize":
+                        events = [_normalized(e) for e in events]
+                except KVStreamError:
+                    pass  # the general path refuses that event alone, naming it
+                else:
+                    try:
+                        batch = EventBatch(
+                            seq=seq,
+                            ts=ts,
+                            events=events,
+                            data_parallel_rank=fast.data_parallel_rank,
+                            origin=origin,
+                            epoch=epoch,
+                        )
+                    except KVStreamError as exc:
+                        raise DecodeError(str(exc)) from None
+                    return batch, ()
         try:
             obj = _DECODE_ANY(data)
         except _BAD_INPUT as exc:
@@ -723,10 +727,7 @@ def _normalized(e: KVCacheEvent) -> KVCacheEvent:
     canon = canonical_medium(medium)
     if canon is None or canon == medium:
         return e
-    meta = dict(e.metadata or {})  # type: ignore[attr-defined]
-    wire = dict(meta.get(WIRE_KEY) or {})
-    wire["medium"] = medium
-    meta[WIRE_KEY] = wire
+    meta = with_wire(e.metadata, {"medium": medium}, type(e).__name__)  # type: ignore[attr-defined]
     return msgspec.structs.replace(e, medium=canon, metadata=meta)
 
 

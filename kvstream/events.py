@@ -14,6 +14,7 @@ handful of type checks.
 from __future__ import annotations
 
 import math
+import operator
 import reprlib
 from array import array
 from collections.abc import Mapping, Sequence
@@ -26,6 +27,7 @@ from kvstream.errors import InvalidEventError, InvalidEventTypeError
 
 __all__ = [
     "MEDIA",
+    "WIRE_KEY",
     "AllBlocksCleared",
     "BlockHash",
     "BlockRemoved",
@@ -41,6 +43,12 @@ BlockHash: TypeAlias = int | bytes
 
 #: Storage tiers vLLM names in ``medium``. Other strings are allowed.
 MEDIA: Final = ("GPU", "CPU", "CPU_PINNED", "DISK", "EXTERNAL", "STORAGE")
+
+#: The ``metadata`` key under which fields of a foreign dialect travel (SGLang's
+#: ``cache_salt`` and ``session_id``, a raw ``medium`` spelling, EAGLE token
+#: pairs, fields a later vLLM adds): kvstream's codecs write them back where the
+#: target dialect has them. See :mod:`kvstream.codecs.dialects`.
+WIRE_KEY: Final = "wire"
 
 _HASH_MIN: Final = -(2**63)
 _HASH_LIMIT: Final = 2**64
@@ -78,6 +86,8 @@ def _check_hash(event: str, field: str, h: object) -> None:
 
 
 _INT_ONLY: Final = frozenset((int,))
+_INT_LIST: Final = list[int]
+_STRICT_CONVERT: Final = msgspec.convert
 
 
 def _checked_hashes(event: str, hashes: object) -> list[BlockHash]:
@@ -100,29 +110,125 @@ def _checked_hashes(event: str, hashes: object) -> list[BlockHash]:
     return hashes
 
 
+def _token_value(event: str, where: str, t: object) -> int:
+    """One token id as an ``int``: numpy and other integer types are converted, bool refused."""
+    if type(t) is int:
+        value: int = t
+    elif type(t) is bool or isinstance(t, float | str | bytes):
+        raise _fail_type(event, where, t, "an int")
+    else:
+        try:
+            value = operator.index(t)  # type: ignore[arg-type]  # numpy integers and the like
+        except TypeError:
+            raise _fail_type(event, where, t, "an int") from None
+    if not 0 <= value < _HASH_LIMIT:
+        raise _fail_value(event, where, t, "a non-negative integer below 2**64")
+    return value
+
+
+def _is_pair(t: object) -> bool:
+    return (type(t) is list or type(t) is tuple) and len(t) == 2
+
+
+def _flatten_pairs(
+    event: str, pairs: list[Any], metadata: dict[str, Any] | None
+) -> tuple[list[int], dict[str, Any]]:
+    """SGLang's EAGLE pages: ``token_ids`` as ``(token, next token)`` pairs.
+
+    The event keeps the tokens (the first of each pair), which is what every
+    reader of ``token_ids`` expects; the second elements go to
+    ``metadata["wire"]``, so the pairs can be written back exactly: only the
+    last pair's ``next`` when the pairs chain (``pair[i][1] == pair[i+1][0]``,
+    the EAGLE bigram form), every second element when they do not.
+    """
+    firsts: list[int] = []
+    seconds: list[int] = []
+    for i, pair in enumerate(pairs):
+        if not _is_pair(pair):
+            raise _fail_type(event, f"token_ids[{i}]", pair, "a (token, next) pair like the others")
+        firsts.append(_token_value(event, f"token_ids[{i}][0]", pair[0]))
+        seconds.append(_token_value(event, f"token_ids[{i}][1]", pair[1]))
+    wire: dict[str, Any]
+    if firsts[1:] == seconds[:-1]:
+        wire = {"token_pairs_next": seconds[-1]}
+    else:
+        wire = {"token_pairs_second": seconds}
+    return firsts, with_wire(metadata, wire, event)
+
+
+def with_wire(metadata: object, wire: Mapping[str, Any], event: str = "event") -> dict[str, Any]:
+    """``metadata`` (copied) with ``wire``'s entries merged into ``metadata["wire"]``."""
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise _fail_type(event, "metadata", metadata, "a str-keyed mapping or None")
+    meta = dict(metadata) if metadata else {}
+    old = meta.get(WIRE_KEY)
+    if old is not None and not isinstance(old, Mapping):
+        raise _fail_type(event, f"metadata.{WIRE_KEY}", old, "a str-keyed mapping or None")
+    merged = dict(old) if old else {}
+    merged.update(wire)
+    meta[WIRE_KEY] = merged
+    return meta
+
+
 def _checked_tokens(event: str, tokens: object) -> list[int]:
+    """Validate ``token_ids`` element by element; returns the list to store.
+
+    The caller has already tried the fast path (``array.fromlist`` plus a type
+    scan, both in C); this is the slow path that names the bad element, or
+    converts integer types that are not ``int`` (numpy) into ``int``.
+    """
     if type(tokens) is not list:
         if not isinstance(tokens, Sequence) or isinstance(tokens, str | bytes):
             raise _fail_type(event, "token_ids", tokens, "a list of int")
         tokens = list(tokens)
-    if tokens:
+    items: list[Any] = tokens
+    if items and _INT_ONLY.issuperset(map(type, items)):
         try:
-            array("Q", tokens)  # in C: each a non-negative integer below 2**64
-        except (TypeError, OverflowError):
-            for i, t in enumerate(tokens):
-                if type(t) is not int:
-                    raise _fail_type(event, f"token_ids[{i}]", t, "an int") from None
-                if t < 0 or t >= _HASH_LIMIT:
-                    raise _fail_value(
-                        event, f"token_ids[{i}]", t, "a non-negative integer below 2**64"
-                    ) from None
-            raise  # pragma: no cover - array() and the loop agree
-        # bool and numpy integers pass array(); they are rare enough to check by
-        # their first and last element, and the codecs normalise any others.
-        if type(tokens[0]) is not int or type(tokens[-1]) is not int:
-            bad = tokens[0] if type(tokens[0]) is not int else tokens[-1]
-            raise _fail_type(event, "token_ids", bad, "a list of int")
-    return tokens
+            array("Q").fromlist(items)
+        except OverflowError:
+            pass  # named below
+        else:
+            return items
+    return [_token_value(event, f"token_ids[{i}]", t) for i, t in enumerate(items)]
+
+
+def _as_token_list(event: str, tokens: object) -> list[Any]:
+    """``token_ids`` given as another sequence (a tuple), as a list."""
+    if not isinstance(tokens, Sequence) or isinstance(tokens, str | bytes):
+        raise _fail_type(event, "token_ids", tokens, "a list of int")
+    return list(tokens)
+
+
+def _checked_token_count(event: str, n_tokens: int, size: int, n_hashes: int) -> None:
+    """The rule for how many tokens a ``BlockStored`` carries, from what engines send.
+
+    * ``block_size == 0``: vLLM's placeholder form, no tokens.
+    * Otherwise the tokens are whole blocks (``len(token_ids) % block_size == 0``)
+      and there are at least as many blocks of tokens as hashes. vLLM's block
+      pool skips null blocks (sliding-window and Mamba groups) when it collects
+      the hashes but keeps every block's tokens, so a group with skipped blocks
+      sends fewer hashes than token blocks, possibly none. The skipped blocks
+      are the leading ones (outside the sliding window; Mamba's align-mode
+      padding), so the hashes belong to the last ``len(block_hashes)`` blocks
+      of tokens. A partial last page (SGLang) is one block with
+      ``block_size = len(token_ids)``.
+    """
+    if size == 0:
+        if n_tokens:
+            raise InvalidEventError(
+                f"{event}.token_ids: expected no tokens with block_size 0 (the "
+                f"placeholder form) = 0 tokens, got {n_tokens}"
+            )
+        return
+    blocks, partial = divmod(n_tokens, size)
+    if partial or blocks < n_hashes:
+        raise InvalidEventError(
+            f"{event}.token_ids: expected whole blocks of block_size tokens, at least "
+            f"one block per hash: block_size * len(block_hashes) = {size} * {n_hashes} = "
+            f"{size * n_hashes} tokens or more in multiples of {size} (engines that skip "
+            f"null blocks send more token blocks than hashes; or none, with block_size 0), "
+            f"got {n_tokens}"
+        )
 
 
 def _opt_int(event: str, field: str, value: object, *, minimum: int = _HASH_MIN) -> None:
@@ -238,7 +344,15 @@ def _checked_extra_keys(event: str, extra: object, n_blocks: int) -> list[Any] |
     return out
 
 
-class KVCacheEvent(msgspec.Struct, kw_only=True, frozen=True, gc=False, tag_field="type", tag=True):
+class KVCacheEvent(
+    msgspec.Struct,
+    kw_only=True,
+    frozen=True,
+    gc=False,
+    tag_field="type",
+    tag=True,
+    forbid_unknown_fields=True,  # decoders must see a foreign field (kept in metadata)
+):
     """Base of the three KV cache events. Every event also has ``metadata``."""
 
     #: The tiers an event is about; ``None`` means every tier (AllBlocksCleared).
@@ -294,26 +408,34 @@ class BlockStored(KVCacheEvent, kw_only=True, frozen=True, gc=False):
             force_setattr(self, "block_hashes", hashes)
         tokens = self.token_ids
         if type(tokens) is not list:
-            tokens = _checked_tokens(name, tokens)
+            tokens = _as_token_list(name, tokens)
             force_setattr(self, "token_ids", tokens)
-        elif tokens:
+        if tokens:
+            # Two passes in C: every token an integer in [0, 2**64) (fromlist), and
+            # every one exactly an int (msgspec's strict conversion refuses the bool
+            # and numpy ints that fromlist lets through). About 3x what serializing
+            # the list costs, a third of a Python-level type scan (docs/vllm-wire.md).
             try:
-                array("Q").fromlist(tokens)  # in C: each an integer in [0, 2**64)
+                array("Q").fromlist(tokens)
+                _STRICT_CONVERT(tokens, _INT_LIST)
             except (TypeError, OverflowError):
-                _checked_tokens(name, tokens)  # raises, naming the bad token
-            if type(tokens[0]) is not int or type(tokens[-1]) is not int:
-                _checked_tokens(name, tokens)  # raises (see _checked_tokens)
+                if _is_pair(tokens[0]):  # SGLang's EAGLE (token, next) pairs
+                    tokens, meta = _flatten_pairs(name, tokens, self.metadata)
+                    force_setattr(self, "metadata", meta)
+                else:
+                    tokens = _checked_tokens(name, tokens)  # raises, naming the token
+                force_setattr(self, "token_ids", tokens)
+            except msgspec.ValidationError:
+                tokens = _checked_tokens(name, tokens)  # numpy ints become int; bool refused
+                force_setattr(self, "token_ids", tokens)
         size = self.block_size
         if type(size) is not int:
             raise _fail_type(name, "block_size", size, "an int >= 0")
         if not 0 <= size < _HASH_LIMIT:
             raise _fail_value(name, "block_size", size, "an int >= 0 (below 2**64)")
-        if len(tokens) != size * len(hashes) and (tokens or size):
-            raise InvalidEventError(
-                f"{name}.token_ids: expected block_size * len(block_hashes) = "
-                f"{size} * {len(hashes)} = {size * len(hashes)} tokens "
-                f"(or none, with block_size 0), got {len(tokens)}"
-            )
+        n_tokens = len(tokens)
+        if n_tokens != size * len(hashes):
+            _checked_token_count(name, n_tokens, size, len(hashes))
         parent = self.parent_block_hash
         if parent is not None and (
             type(parent) is not int or not _HASH_MIN <= parent < _HASH_LIMIT

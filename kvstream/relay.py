@@ -11,8 +11,19 @@ origins keeps each of them.
 * An upstream **restart** (a new epoch of an origin) becomes an
   ``AllBlocksCleared`` in that origin's stream: the relay's own epoch goes on,
   so this is how its consumers learn that everything the origin held is gone.
-* An upstream **gap** its subscriber could not repair is counted and logged;
-  the events are gone and cannot be invented.
+* An upstream **gap** its subscriber could not repair is counted, logged, and
+  kept visible in the output: the relay renumbers each origin contiguously
+  (its sinks carry the relay's own ``(origin, epoch, seq)``), so a gap cannot
+  show as a missing seq there. Instead, with ``on_gap="clear"`` (the default),
+  the origin's stream gets an ``AllBlocksCleared`` whose ``metadata`` holds
+  ``{"upstream_gap": {"epoch", "first_missing", "next_seq", "missing",
+  "reason"}}``: what the origin held is unknown after lost events (a missed
+  ``BlockRemoved`` would leave a router sending requests to blocks that are
+  gone), so consumers drop it and rebuild from what follows, and the marker
+  says why. kvstream-format sinks carry the metadata; on the vLLM wire strict
+  readers see the ``AllBlocksCleared`` alone. ``on_gap="count"`` only counts
+  and logs (the :class:`RelayStatistics` ``gaps``/``missing``, the summary
+  line, the metrics).
 * Two upstreams claiming one origin would mix two sequences: the second one's
   batches are refused, counted and logged.
 * :meth:`Relay.stop` is graceful where the subscriber allows it: a ZMQ
@@ -35,11 +46,15 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from kvstream.consumers.base import Gap, Subscriber
+from kvstream.errors import ConfigError
 from kvstream.events import AllBlocksCleared, EventBatch, KVCacheEvent
 from kvstream.scheduler import Scheduler
 from kvstream.sources.base import SourceHandle
 
-__all__ = ["Relay", "RelayStatistics"]
+__all__ = ["GAP_POLICIES", "Relay", "RelayStatistics", "gap_marker"]
+
+#: What the relay does with an upstream gap: mark it in the output, or only count it.
+GAP_POLICIES: Final = ("clear", "count")
 
 log = logging.getLogger("kvstream.relay")
 
@@ -66,6 +81,11 @@ class RelayStatistics(NamedTuple):
     origins: tuple[str, ...]
     #: Upstreams whose subscriber failed (by name).
     failed: tuple[str, ...]
+    #: Upstream gaps marked in the output (``on_gap="clear"``).
+    gaps_marked: int = 0
+    #: Events the subscribers' decoders refused (no dialect reads them); the rest of
+    #: their batches was carried.
+    events_refused: int = 0
 
 
 class _Feed:
@@ -121,7 +141,16 @@ class Relay:
         *,
         names: Sequence[str] | None = None,
         queue_chunks: int = DEFAULT_QUEUE_CHUNKS,
+        on_gap: str = "clear",
     ) -> None:
+        if on_gap not in GAP_POLICIES:
+            raise ConfigError(
+                f"Relay: on_gap: expected one of {', '.join(GAP_POLICIES)}, got {on_gap!r}"
+            )
+        self.on_gap = on_gap
+        #: Gap markers for origins that have no feed yet (prepended to their first events).
+        self._pending_marks: dict[str, list[KVCacheEvent]] = {}
+        self._gaps_marked = 0
         self.scheduler = scheduler
         self.subscribers = list(subscribers)
         self.names = (
@@ -219,6 +248,8 @@ class Relay:
                     async for item in iterator:
                         if isinstance(item, Gap):
                             self._gap(name, item)
+                            if self.on_gap == "clear":
+                                await self._mark_gap(index, item)
                         else:
                             await self._forward(index, item)
                 except Exception as exc:  # one failing upstream never stops the others
@@ -243,6 +274,27 @@ class Relay:
             gap.next_seq - 1,
             gap.reason,
         )
+
+    async def _mark_gap(self, index: int, gap: Gap) -> None:
+        """Put the gap into the origin's output stream (see the module doc)."""
+        marker = gap_marker(gap)
+        self._gaps_marked += 1
+        feed = self._feeds.get(gap.origin)
+        if feed is None:
+            self._pending_marks.setdefault(gap.origin, []).append(marker)
+            return
+        if feed.owner != index:
+            return  # another upstream's origin: its batches are refused too
+        await self._send(feed, [marker])
+
+    async def _send(self, feed: _Feed, events: list[KVCacheEvent]) -> None:
+        try:
+            await feed.send.send(events)
+        except anyio.get_cancelled_exc_class():
+            # Stopping: the chunk in hand still goes in (the channel drains on stop).
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_DRAIN_TIMEOUT):
+                await feed.send.send(events)
+            raise
 
     async def _forward(self, index: int, batch: EventBatch) -> None:
         feed = self._feeds.get(batch.origin)
@@ -277,14 +329,11 @@ class Relay:
                 if not (events and type(events[0]) is AllBlocksCleared):
                     events = [AllBlocksCleared(), *events]
             feed.epoch = batch.epoch
+        marks = self._pending_marks.pop(batch.origin, None)
+        if marks:
+            events = [*marks, *events]
         if events:
-            try:
-                await feed.send.send(events)
-            except anyio.get_cancelled_exc_class():
-                # Stopping: the chunk in hand still goes in (the channel drains on stop).
-                with anyio.CancelScope(shield=True), anyio.move_on_after(_DRAIN_TIMEOUT):
-                    await feed.send.send(events)
-                raise
+            await self._send(feed, events)
 
     def _open_feed(self, index: int, batch: EventBatch) -> _Feed:
         send, receive = anyio.create_memory_object_stream[list[KVCacheEvent]](self.queue_chunks)
@@ -320,4 +369,32 @@ class Relay:
             conflicts=self._conflicts,
             origins=tuple(self._feeds),
             failed=tuple(self._failed),
+            gaps_marked=self._gaps_marked,
+            events_refused=sum(_refused_by(sub) for sub in self.subscribers),
         )
+
+
+def _refused_by(sub: Subscriber) -> int:
+    """Events a subscriber's decoder refused: per origin (ZMQ) or its codec's count."""
+    stats = getattr(sub, "statistics", None)
+    if callable(stats):
+        records = stats()
+        if isinstance(records, tuple) and all(hasattr(r, "events_refused") for r in records):
+            return sum(int(r.events_refused) for r in records)
+    refused = getattr(getattr(sub, "codec", None), "events_refused", 0)
+    return refused if type(refused) is int else 0
+
+
+def gap_marker(gap: Gap) -> AllBlocksCleared:
+    """The ``AllBlocksCleared`` that stands for an upstream gap in the relay's output."""
+    return AllBlocksCleared(
+        metadata={
+            "upstream_gap": {
+                "epoch": gap.epoch,
+                "first_missing": gap.first_missing,
+                "next_seq": gap.next_seq,
+                "missing": gap.missing,
+                "reason": gap.reason[:200],
+            }
+        }
+    )

@@ -186,11 +186,17 @@ async def test_a_follower_reads_across_rotations_without_gaps(tmp_path: Path) ->
     async with anyio.create_task_group() as tg:
 
         async def follow() -> None:
-            async for item in reader:
-                assert not isinstance(item, Gap), item
-                seen.append(item.seq)
-                if item.seq == n - 1:
-                    return
+            # Closed here: FileSubscriber.aclose() does not close an iterator left
+            # suspended, whose open file would otherwise leak into a later test.
+            items = aiter(reader)
+            try:
+                async for item in items:
+                    assert not isinstance(item, Gap), item
+                    seen.append(item.seq)
+                    if item.seq == n - 1:
+                        return
+            finally:
+                await items.aclose()  # type: ignore[attr-defined]
 
         tg.start_soon(follow)
         async with Scheduler(sinks=[sink], origin="o", epoch="e") as scheduler:

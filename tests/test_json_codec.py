@@ -253,6 +253,18 @@ BAD_LINES: list[tuple[bytes, str]] = [
 
 @pytest.mark.parametrize(("line", "named"), BAD_LINES, ids=range(len(BAD_LINES)))
 def test_bad_lines_raise_a_decode_error_naming_the_field(line: bytes, named: str) -> None:
+    if named.startswith("events["):
+        # A bad event costs that event only (issue 14.2): the batch is delivered
+        # without it and the refusal names it; decode() counts it.
+        codec = JsonCodec()
+        batch, refused = codec.decode_screened(line)
+        shown = "; ".join(f"events[{r.position}]: {r.reason}" for r in refused)
+        assert named in shown
+        assert len(batch.events) + len(refused) == len(orjson.loads(line)["events"])
+        assert all(len(r.reason) < 500 for r in refused)
+        codec.decode(line)
+        assert codec.events_refused == len(refused)
+        return
     with pytest.raises(DecodeError) as info:
         JsonCodec().decode(line)
     assert named in str(info.value)
@@ -359,3 +371,12 @@ def test_fuzz_near_valid_lines(batch: EventBatch, decimal: bool, data: st.DataOb
     line = codec.encode(batch)
     cut = data.draw(st.integers(0, len(line)))
     decode_or_refuse(codec, line[:cut])
+
+
+def test_decode_lines_still_refuses_a_file_with_a_bad_event() -> None:
+    # A whole file of kvstream's own (kvstream verify): a bad event is damage, named.
+    codec = JsonCodec()
+    good = codec.encode(batch_of(AllBlocksCleared(), seq=0))
+    bad = line_with(events=[{"type": "Nope"}]) + b"\n"
+    with pytest.raises(DecodeError, match=r"^line 2: events\[0\]: type"):
+        codec.decode_lines(good + bad)

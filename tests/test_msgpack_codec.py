@@ -236,12 +236,16 @@ def test_decode_positional_removed_of_every_length(fields: int) -> None:
     )
 
 
-def test_decode_ignores_what_a_later_version_appends() -> None:
+def test_decode_keeps_what_a_later_version_appends_in_metadata() -> None:
+    # Fields a later version appends are read past and kept, losslessly, in
+    # metadata["wire"] (issue 14.3), never dropped.
     raw = ["BlockStored", *_STORED_VALUES, "a-future-field", 42]
-    assert MsgpackCodec().decode(_enc([2.0, [raw], 0])).events[0].locality == "LOCAL"  # type: ignore[attr-defined]
-    mapped = {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "future": 1}
+    event = MsgpackCodec().decode(_enc([2.0, [raw], 0])).events[0]
+    assert event.locality == "LOCAL"  # type: ignore[attr-defined]
+    assert event.metadata == {"wire": {"extra_positional": ["a-future-field", 42]}}  # type: ignore[attr-defined]
+    mapped = {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "future": b"\x01"}
     assert MsgpackCodec().decode(_enc([2.0, [mapped], 0])).events[0] == BlockRemoved(
-        block_hashes=[1], medium="GPU"
+        block_hashes=[1], medium="GPU", metadata={"wire": {"extra": {"future": {"$bytes": "01"}}}}
     )
 
 
@@ -277,14 +281,6 @@ def test_decode_batch_written_as_a_map_and_mixed_events() -> None:
         (_enc(["now", [], 0]), "batch.ts"),
         (_enc([1.0, {}, 0]), "batch.events"),
         (_enc([1.0, [], "zero"]), "data_parallel_rank"),
-        (_enc([1.0, [["BlockEvicted", [1]]], 0]), "events[0]: tag (element 0)"),
-        (_enc([1.0, [{"type": "Nope"}], 0]), "events[0]: type: expected"),
-        (_enc([1.0, [[]], 0]), "empty array"),
-        (_enc([1.0, [7], 0]), "events[0]: expected an event"),
-        (_enc([1.0, [["BlockStored", [1], None]], 0]), "at least 5 fields"),
-        (_enc([1.0, [["BlockStored", [1], None, [1, 2, 3], 2, None]], 0]), "token_ids"),
-        (_enc([1.0, [["BlockRemoved", ["x"]]], 0]), "block_hashes[0]"),
-        (_enc([1.0, [{"type": "BlockStored", "block_hashes": [1]}], 0]), "events[0]"),
         (_enc({"ts": 1.0}), "'ts' and 'events'"),
         (_enc({"ts": 1.0, "events": [], "seq": 3}), "unknown key"),
     ],
@@ -294,6 +290,34 @@ def test_decode_errors_name_what_was_wrong(payload: bytes, expected: str) -> Non
         with pytest.raises(DecodeError) as info:
             codec.decode(payload)
         assert expected in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("raw", "tag", "expected"),
+    [
+        (["BlockEvicted", [1]], "BlockEvicted", "tag (element 0)"),
+        ({"type": "Nope"}, "Nope", "type: expected"),
+        ([], "?", "empty array"),
+        (7, "?", "expected an event"),
+        (["BlockStored", [1], None], "BlockStored", "at least 5 fields"),
+        (["BlockStored", [1], None, [1, 2, 3], 2, None], "BlockStored", "token_ids"),
+        (["BlockRemoved", ["x"]], "BlockRemoved", "block_hashes[0]"),
+        ({"type": "BlockStored", "block_hashes": [1]}, "BlockStored", "parent_block_hash"),
+        (["BlockStored", [1], None, [1, True, 3, 4], 4, None, "GPU"], "BlockStored", "[1]"),
+    ],
+)
+def test_one_bad_event_costs_that_event_only(raw: object, tag: str, expected: str) -> None:
+    # Issue 14.2 / 15.11: decoding is per event; the refused one is named, the rest delivered.
+    good = ["BlockRemoved", [5], "GPU"]
+    payload = _enc([1.0, [good, raw, good], 0])
+    for codec in (MsgpackCodec(), MsgpackCodec(profile="positional")):
+        batch, refused = codec.decode_screened(payload, seq=3)
+        assert batch.events == [BlockRemoved(block_hashes=[5], medium="GPU")] * 2
+        assert [(r.position, r.event_type) for r in refused] == [(1, tag)]
+        assert expected in refused[0].reason
+        before = codec.events_refused
+        assert codec.decode(payload).events == batch.events  # decode() delivers the rest too
+        assert codec.events_refused == before + 1
 
 
 def test_decode_refuses_a_bad_seq() -> None:
@@ -434,7 +458,8 @@ def test_strict_media_is_configurable_and_none_passes() -> None:
         batch_of(stored(medium="STORAGE"), stored(medium=None), stored(medium="CPU"))
     )
     assert [r.position for r in refused] == [2]
-    assert {"GPU", "CPU", "CPU_PINNED", "DISK", "EXTERNAL"} == STRICT_MEDIA
+    # Every canonical tier name (kvstream.media), STORAGE included, plus SGLang's CPU_PINNED.
+    assert {"GPU", "CPU", "CPU_PINNED", "DISK", "EXTERNAL", "STORAGE"} == STRICT_MEDIA
 
 
 def test_not_strict_sends_everything_as_vllm_would() -> None:

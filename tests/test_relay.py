@@ -56,6 +56,10 @@ class VllmStylePublisher(threading.Thread):
         )
         self.commands.put((seq, payload, live))
 
+    def publish_raw(self, seq: int, payload: bytes, *, live: bool = True) -> None:
+        """Publish a payload frame as it is (another dialect's bytes)."""
+        self.commands.put((seq, payload, live))
+
     def run(self) -> None:
         ctx = zmq.Context()
         pub = ctx.socket(zmq.PUB)
@@ -72,7 +76,8 @@ class VllmStylePublisher(threading.Thread):
                         seq, payload, live = self.commands.get_nowait()
                     except queue.Empty:
                         break
-                    self.ring.append((seq, payload))
+                    if not (self.ring and self.ring[-1][0] == seq):  # a resend is not kept twice
+                        self.ring.append((seq, payload))
                     if live:
                         pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
                 if poller.poll(5):
@@ -286,3 +291,70 @@ def test_relay_refuses_a_shared_topic_for_several_sources(
     assert "topic per origin" in capsys.readouterr().err
     assert main(["relay", "--sink", "-"]) == 2
     assert main(["relay", "--source", "file:x", "--kv-events-config", '{"hwm": "x"}']) == 2
+
+
+def test_publishers_connecting_to_one_bound_relay_endpoint_stay_apart(workdir: Path) -> None:
+    """Issue 15.8: vLLM engines connect to a central endpoint; each keeps its own stream."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = workdir / "out.jsonl"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    source = f"zmq+tcp://127.0.0.1:{port}?bind=true&origin=central"
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "kvstream", "relay", "--interval", "0.02"),
+            *("--source", source, "--sink", f"file:{out}"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    ctx = zmq.Context()
+    # Two engines on one topic (DP ranks 0 and 1) and one on another: three seq spaces.
+    engines = [(b"kv@pod-a@m", 0), (b"kv@pod-a@m", 1), (b"kv@pod-b@m", 0)]
+    pubs = [ctx.socket(zmq.PUB) for _ in engines]
+    names = ["central/kv@pod-a@m#dp0", "central/kv@pod-a@m#dp1", "central/kv@pod-b@m#dp0"]
+
+    def send(i: int, seq: int) -> None:
+        topic, rank = engines[i]
+        event = vllm.BlockRemoved([1000 * i + seq], "GPU")
+        payload = msgspec.msgpack.encode(vllm.KVEventBatch(1.0 + seq, [event], rank))
+        pubs[i].send_multipart([topic, seq.to_bytes(8, "big"), payload])
+
+    try:
+        for pub in pubs:
+            pub.connect(f"tcp://127.0.0.1:{port}")
+
+        def heard_all() -> bool:
+            seen = {b.origin for b in read_out(out)}
+            if len(seen) < 3:
+                for i in range(3):  # the slow joiner: seq 0 again is a duplicate
+                    send(i, 0)
+            return len(seen) == 3
+
+        wait_for(heard_all, proc)
+        for seq in range(1, 21):
+            for i in range(3):
+                send(i, seq)
+        wait_for(lambda: sum(len(b) for b in read_out(out)) >= 3 * 21, proc)
+    finally:
+        code, err = stop(proc)
+        for pub in pubs:
+            pub.close(linger=0)
+        ctx.term()
+    assert code == 0, err
+    by_origin: dict[str, list[KVCacheEvent]] = {}
+    for b in read_out(out):
+        by_origin.setdefault(b.origin, []).extend(b.events)
+    assert sorted(by_origin) == names
+    for i, name in enumerate(names):
+        assert by_origin[name] == [
+            BlockRemoved(block_hashes=[1000 * i + s], medium="GPU") for s in range(21)
+        ]
+    summary = err.strip().splitlines()[-1]
+    assert "0 upstream gap(s)" in summary
+    assert "0 restart(s)" in summary

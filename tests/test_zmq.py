@@ -640,7 +640,7 @@ async def test_late_joiner_replays_from_seq_then_follows_live() -> None:
             for i in range(10, 14):
                 scheduler.emit(stored(i))
                 await scheduler.tick()
-        late = ZmqSubscriber(ZmqPublisher(sink.endpoint))  # no from_seq: joins live
+        late = ZmqSubscriber(ZmqPublisher(sink.endpoint, join="live"))  # joins where it hears
         async with late, anyio.create_task_group() as tg:
             joined: list[EventBatch | Gap] = []
 
@@ -772,15 +772,23 @@ async def test_gap_without_replay_is_reported(ctx: Sockets) -> None:
         await pub.send_multipart(
             [b"", wire.pack_seq(9), codec.encode(EventBatch(seq=9, ts=1.0, events=[]))]
         )
+    # A fresh publisher first heard at seq 5: batches 0..4 are a gap, never silent (14.6).
     assert [(type(i).__name__, getattr(i, "seq", None)) for i in got] == [
+        ("Gap", None),
         ("EventBatch", 5),
         ("Gap", None),
         ("EventBatch", 9),
     ]
-    gap = got[1]
+    first, gap = got[0], got[2]
+    assert isinstance(first, Gap)
     assert isinstance(gap, Gap)
+    assert (first.first_missing, first.next_seq) == (0, 5)
+    assert "before the subscriber heard" in first.reason
     assert (gap.first_missing, gap.next_seq) == (6, 9)
     assert "no replay endpoint" in gap.reason
+    # The seq 5 the wait loop sent again and again: duplicates, never restarts (15.7).
+    (st,) = sub.statistics()
+    assert (st.restarts, st.batches) == (0, 2)
 
 
 # -- the protocol state, without sockets -----------------------------------------------------------
@@ -926,3 +934,179 @@ def test_event_publisher_drop_in(short_dir: str) -> None:
     assert _vllm_decoder.decode(first[2]).events == events
     assert _vllm_decoder.decode(second[2]).events == [as_vllm(stored(5))]
     assert publisher.statistics() == (2, 3, 1)
+
+
+# -- issue 14.6 / 15.7: no silent loss at the edge; a repeated seq is a duplicate ----------------
+
+
+def test_stream_fresh_publisher_heard_late_is_replayed_from_zero() -> None:
+    s = _stream()
+    s.start(None, 0.0)
+    assert s.on_live(3, _p(3), 0.0) == []  # held: batches 0..2 are asked first
+    assert s.requests == [0]
+    out = [item for k in range(3) for item in s.on_replay(wire.ReplayBatch(b"", k, _p(k)), 0.1)]
+    out += s.on_replay(None, 0.1)
+    assert _seqs(out) == [0, 1, 2, 3]
+    assert s.statistics().gaps == 0
+
+
+def test_stream_fresh_publisher_older_than_the_ring_is_a_gap() -> None:
+    s = _stream()
+    s.start(None, 0.0)
+    s.on_live(50, _p(50), 0.0)
+    out = s.on_replay(wire.ReplayBatch(b"", 48, _p(48)), 0.1)  # the ring starts at 48
+    out += s.on_replay(wire.ReplayBatch(b"", 49, _p(49)), 0.1) + s.on_replay(None, 0.1)
+    assert _seqs(out) == [("gap", 0, 48), 48, 49, 50]
+
+
+def test_stream_join_live_starts_at_the_first_batch_heard() -> None:
+    s = _stream(join="live")
+    s.start(None, 0.0)
+    assert _seqs(s.on_live(7, _p(7), 0.0)) == [7]
+    assert s.requests == []
+
+
+def test_stream_repeated_live_seq_is_a_duplicate_never_a_restart() -> None:
+    s = _stream(has_replay=False)
+    s.start(None, 0.0)
+    assert _seqs(s.on_live(0, _p(0), 0.0)) == [0]
+    assert _seqs(s.on_live(1, b"\xc1", 0.1)) == [("gap", 1, 2)]  # undecodable
+    epoch = s.epoch
+    assert s.on_live(1, _p(1), 0.2) == []  # resent: a duplicate, the epoch stays
+    assert _seqs(s.on_live(2, _p(2), 0.3)) == [2]
+    st = s.statistics()
+    assert (st.restarts, st.duplicates, s.epoch) == (0, 1, epoch)
+    # Going back is still a restart.
+    assert _seqs(s.on_live(0, _p(0), 0.4)) == [0]
+    assert s.statistics().restarts == 1
+
+
+def test_stream_counts_refused_events_and_delivers_the_rest() -> None:
+    s = _stream(has_replay=False)
+    s.start(None, 0.0)
+    payload = msgspec.msgpack.encode(
+        [1.0, [["BlockRemoved", [1], "GPU"], ["BlockEvicted", [2]], ["AllBlocksCleared"]], 0]
+    )
+    (batch,) = s.on_live(0, payload, 0.0)
+    assert isinstance(batch, EventBatch)
+    assert batch.events == [BlockRemoved(block_hashes=[1], medium="GPU"), AllBlocksCleared()]
+    assert s.statistics().events_refused == 1
+
+
+# -- issue 14.8 / 15.8: fan-in on a bound endpoint -----------------------------------------------
+
+
+@pytest.mark.usefixtures("no_leaked_tasks")
+async def test_bound_subscriber_keeps_connecting_publishers_apart(ctx: Sockets) -> None:
+    port = _free_port()
+    spec = ZmqPublisher(f"tcp://127.0.0.1:{port}", bind=True, origin="central", join="live")
+    sub = ZmqSubscriber(spec)
+    codec = MsgpackCodec()
+    pubs = []
+    for _ in range(3):
+        pub = ctx.socket(zmq.PUB)
+        pub.connect(f"tcp://127.0.0.1:{port}")
+        pubs.append(pub)
+    # Publishers a and b share a topic but not a rank; c has its own topic. Each
+    # counts from 0 and interleaves with the others: one stream would see seqs
+    # going back (false restarts) and forward (false gaps).
+    streams = [(pubs[0], b"kv@a@m", 0), (pubs[1], b"kv@a@m", 1), (pubs[2], b"kv@c@m", 0)]
+
+    def frame(topic: bytes, rank: int, seq: int) -> list[bytes]:
+        event = BlockRemoved(block_hashes=[seq], medium="GPU")
+        batch = EventBatch(seq=seq, ts=1.0, events=[event], data_parallel_rank=rank)
+        return [topic, wire.pack_seq(seq), codec.encode(batch)]
+
+    got: list[EventBatch | Gap] = []
+    async with sub, anyio.create_task_group() as tg:
+
+        async def read() -> None:
+            got.extend(await collect(sub, 3 + 3 * 10))
+
+        tg.start_soon(read)
+        with anyio.fail_after(10):  # the slow joiner: until each one's seq 0 is heard
+            while len(sub.statistics()) < 3:
+                for pub, topic, rank in streams:
+                    await pub.send_multipart(frame(topic, rank, 0))
+                await anyio.sleep(0.02)
+        for seq in range(1, 11):
+            for pub, topic, rank in streams:
+                await pub.send_multipart(frame(topic, rank, seq))
+    batches = [i for i in got if isinstance(i, EventBatch)]
+    assert not [i for i in got if isinstance(i, Gap)]
+    by_origin: dict[str, list[int]] = {}
+    for b in batches:
+        by_origin.setdefault(b.origin, []).append(b.seq)
+    assert set(by_origin) == {"central/kv@a@m#dp0", "central/kv@a@m#dp1", "central/kv@c@m#dp0"}
+    for seqs in by_origin.values():
+        assert seqs == list(range(seqs[0], 11))
+    stats = sub.statistics()
+    assert sum(st.restarts for st in stats) == 0
+    assert {st.origin for st in stats} == set(by_origin)
+    for pub in pubs:
+        pub.close(linger=0)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_a_bound_endpoint_keeps_at_most_max_fan_in_origins(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstream.consumers import zmq as ingest
+
+    monkeypatch.setattr(ingest, "MAX_FAN_IN", 2)
+    link = ingest._Link(
+        ZmqPublisher("tcp://127.0.0.1:1", bind=True, origin="c"),
+        lambda origin, topic, exact: _stream(),
+    )
+    payload = _p(0)
+    first, fresh = link.stream_for(b"a", payload, 0.0)
+    assert fresh
+    assert link.stream_for(b"a", payload, 0.0) == (first, False)
+    link.stream_for(b"b", payload, 0.0)
+    with pytest.raises(DecodeError, match="the limit"):
+        link.stream_for(b"c", payload, 0.0)
+
+
+def test_fan_in_replies_from_a_shared_ring_go_to_the_origin_that_asked() -> None:
+    from kvstream.consumers import zmq as ingest
+
+    def make(origin: str, topic: bytes, exact: bool) -> PublisherStream:
+        return PublisherStream(
+            origin, codec=_codec, has_replay=True, topic=topic, exact_topic=exact
+        )
+
+    link = ingest._Link(
+        ZmqPublisher("tcp://127.0.0.1:1", replay_endpoint="tcp://127.0.0.1:2", bind=True),
+        make,
+    )
+
+    def payload(seq: int) -> bytes:
+        return _codec.encode(
+            EventBatch(seq=seq, ts=1.0, events=[stored(seq)], data_parallel_rank=0)
+        )
+
+    a, _ = link.stream_for(b"kv@a@m", payload(0), 0.0)
+    b, _ = link.stream_for(b"kv@b@m", payload(0), 0.0)
+    for s in (a, b):
+        s.start(None, 0.0)
+        assert s.on_live(2, payload(2), 0.0) == []  # first heard at 2: replay from 0
+        link.inflight.append(s)  # what _send_requests does once a request is sent
+    ring = [(topic, seq) for seq in range(3) for topic in (b"kv@a@m", b"kv@b@m")]
+    out: dict[str, list[Any]] = {a.origin: [], b.origin: []}
+    for _ in range(2):  # each request is answered with the whole shared ring, then the end
+        for topic, seq in ring:
+            reply = wire.ReplayBatch(topic, seq, payload(seq))
+            target = link.route_reply(reply)
+            assert target is not None
+            out[target.origin] += target.on_replay(reply, 0.1)
+        target = link.route_reply(None)
+        assert target is not None
+        out[target.origin] += target.on_replay(None, 0.1)
+    assert {k: _seqs(v) for k, v in out.items()} == {a.origin: [0, 1, 2], b.origin: [0, 1, 2]}
+    assert not link.inflight
+    assert {a.origin, b.origin} == {"127.0.0.1:1/kv@a@m#dp0", "127.0.0.1:1/kv@b@m#dp0"}

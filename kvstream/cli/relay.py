@@ -5,9 +5,15 @@ SGLang or TensorRT-LLM publisher, with ``?replay=...`` to repair gaps;
 ``file:PATH?follow=1``; the other transports as they arrive) and publishes
 into every ``--sink``, ticking every ``--interval`` seconds. Each upstream is
 its own origin (``?origin=NAME`` on a ZMQ source; kvstream-format upstreams
-keep their origins). An upstream restart reaches the sinks as
-``AllBlocksCleared`` for that origin. On Ctrl-C or SIGTERM it stops reading,
-delivers what it has and prints a one-line summary on stderr.
+keep their origins; a bound ZMQ source keeps one origin per connecting
+publisher's topic and rank). Each source reads every engine dialect (vLLM map
+and positional, SGLang, TensorRT-LLM; ``?dialect=`` pins one, ``?media=normalize``
+maps tier names); each ZMQ sink writes the one its consumer reads
+(``?profile=map|positional|sglang|sglang-positional|llm-d-2025-12``). An
+upstream restart reaches the sinks as ``AllBlocksCleared`` for that origin; so
+does an upstream gap nothing could repair, its metadata saying which batches
+were lost (``--on-gap count`` only counts it). On Ctrl-C or SIGTERM it stops
+reading, delivers what it has and prints a one-line summary on stderr.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from kvstream.cli.kv_events import add_kv_events_config_option, zmq_sink_from_kv
 from kvstream.cli.longrun import Progress, add_metrics_option, metrics_token, open_metrics
 from kvstream.config import open_sink, open_subscriber
 from kvstream.errors import ConfigError
-from kvstream.relay import Relay
+from kvstream.relay import GAP_POLICIES, Relay
 from kvstream.scheduler import CloseReport, Scheduler
 from kvstream.sinks.base import Sink
 
@@ -40,6 +46,8 @@ examples:
                  --sink 'zmq+tcp://*:6557?replay=tcp://*:6558&model=llama-3-8b'
   kvstream relay --source 'zmq+tcp://127.0.0.1:5557' \\
                  --kv-events-config '{"endpoint": "tcp://*:6557", "replay_endpoint": "tcp://*:6558"}'
+  kvstream relay --source 'zmq+tcp://sglang-0:5557?origin=sglang-0' \\
+                 --sink 'zmq+tcp://*:6557?profile=map'      # SGLang in, vLLM map out
 """
 
 
@@ -85,6 +93,13 @@ def register(sub: Any) -> None:
         metavar="SECONDS",
         help="how long to deliver what is pending when stopping (5)",
     )
+    p.add_argument(
+        "--on-gap",
+        choices=GAP_POLICIES,
+        default="clear",
+        help="an upstream gap nothing could repair: 'clear' puts an AllBlocksCleared "
+        "(metadata upstream_gap) into that origin's output; 'count' only counts it (clear)",
+    )
     add_kv_events_config_option(p)
     add_metrics_option(p)
     p.set_defaults(func=run)
@@ -111,8 +126,11 @@ def _summary(relay: Relay, report: CloseReport, sinks: list[Sink], elapsed: floa
         f"{elapsed:.1f} s from {len(st.origins)} origin(s) to {len(sinks)} sink(s); "
         f"{out} batches out, {dropped} dropped, "
         f"{report.undelivered_batches} undelivered; "
-        f"{st.gaps} upstream gap(s) ({st.missing} batches), {st.restarts} restart(s)"
+        f"{st.gaps} upstream gap(s) ({st.missing} batches, {st.gaps_marked} marked), "
+        f"{st.restarts} restart(s)"
     )
+    if st.events_refused:
+        text += f"; {st.events_refused} event(s) refused (no dialect reads them)"
     if st.failed:
         text += f"; failed: {', '.join(st.failed)}"
     return text
@@ -149,7 +167,7 @@ async def run(args: argparse.Namespace) -> int:
                 close_timeout=args.close_timeout,
             )
         )
-        relay = Relay(scheduler, subscribers, names=args.source)
+        relay = Relay(scheduler, subscribers, names=args.source, on_gap=args.on_gap)
         if metrics is not None:
             metrics.collector.add(scheduler)
             metrics.collector.add(relay, kind="relay")

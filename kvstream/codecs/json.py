@@ -25,6 +25,8 @@ from typing import Any, Final
 
 import orjson
 
+from kvstream.codecs.msgpack import Refusal
+from kvstream.codecs.refusals import RefusalLog
 from kvstream.errors import DecodeError, KVStreamError
 from kvstream.events import (
     AllBlocksCleared,
@@ -102,10 +104,16 @@ class JsonCodec:
     name = "json"
     self_delimiting = True
 
-    __slots__ = ("_decimal",)
+    __slots__ = ("_decimal", "_refusals")
 
     def __init__(self, *, hashes_as_strings: bool = False) -> None:
         self._decimal = hashes_as_strings
+        self._refusals = RefusalLog("JSON decode")
+
+    @property
+    def events_refused(self) -> int:
+        """Events :meth:`decode` / :meth:`batch_from_dict` left out of the batches they returned."""
+        return self._refusals.count
 
     def __repr__(self) -> str:
         return f"JsonCodec(hashes_as_strings={self._decimal})"
@@ -191,30 +199,56 @@ class JsonCodec:
     # -- decoding ---------------------------------------------------------------
 
     def decode(self, data: bytes | bytearray | memoryview | str) -> EventBatch:
-        """The batch on one line. Raises :class:`DecodeError` for anything else."""
+        """The batch on one line. Raises :class:`DecodeError` for anything that is not a batch.
+
+        Decoding is per event: an event that does not validate is left out,
+        counted in :attr:`events_refused` and logged once per burst, and the
+        rest of the batch is delivered (:meth:`decode_screened` returns them).
+        """
+        batch, refused = self.decode_screened(data)
+        self._refusals.note(refused, batch.seq, batch.origin)
+        return batch
+
+    def decode_screened(
+        self, data: bytes | bytearray | memoryview | str
+    ) -> tuple[EventBatch, tuple[Refusal, ...]]:
+        """The batch on one line and the events refused in it."""
         try:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError as exc:
             raise DecodeError(f"not a JSON line: {exc}") from None
-        return self.batch_from_dict(obj)
+        return self.batch_from_dict_screened(obj)
 
     def decode_lines(self, data: bytes) -> list[EventBatch]:
         """Every batch in ``data`` (JSON lines; blank lines are skipped).
 
-        A bad line raises :class:`DecodeError` naming its 1-based line number.
+        A bad line raises :class:`DecodeError` naming its 1-based line number,
+        and so does a line with an event that does not validate (this reads a
+        whole file of kvstream's own, as ``kvstream verify`` does, where such an
+        event means damage; the streaming decoders deliver the rest instead).
         """
         out: list[EventBatch] = []
         for lineno, line in enumerate(data.splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                out.append(self.decode(line))
+                batch, refused = self.decode_screened(line)
             except DecodeError as exc:
                 raise DecodeError(f"line {lineno}: {exc}") from None
+            if refused:
+                first = refused[0]
+                raise DecodeError(f"line {lineno}: events[{first.position}]: {first.reason}")
+            out.append(batch)
         return out
 
     def batch_from_dict(self, obj: Any) -> EventBatch:
-        """Validate a decoded JSON object and build the batch it describes."""
+        """Validate a decoded JSON object and build the batch it describes (per event)."""
+        batch, refused = self.batch_from_dict_screened(obj)
+        self._refusals.note(refused, batch.seq, batch.origin)
+        return batch
+
+    def batch_from_dict_screened(self, obj: Any) -> tuple[EventBatch, tuple[Refusal, ...]]:
+        """:meth:`batch_from_dict` returning the refused events instead of counting them."""
         if type(obj) is not dict:
             raise DecodeError(f"expected a JSON object (a batch), got {type(obj).__name__}")
         unknown = obj.keys() - _BATCH_KEYS
@@ -228,15 +262,16 @@ class JsonCodec:
         if type(raw_events) is not list:
             raise DecodeError(f"batch.events: expected a list, got {shorten(raw_events)}")
         events: list[KVCacheEvent] = []
+        refused: list[Refusal] = []
         for i, raw in enumerate(raw_events):
             try:
                 events.append(_event_from_dict(raw, decimal))
-            except DecodeError as exc:
-                raise DecodeError(f"events[{i}]: {exc}") from None
-            except (KVStreamError, ValueError, TypeError) as exc:
-                raise DecodeError(f"events[{i}]: {exc}") from None
+            except (KVStreamError, ValueError, TypeError, RecursionError) as exc:
+                tag = raw.get("type") if type(raw) is dict else None
+                name = tag if type(tag) is str and len(tag) <= 40 else "?"
+                refused.append(Refusal(i, name, str(exc)))
         try:
-            return EventBatch(
+            batch = EventBatch(
                 seq=obj.get("seq"),  # type: ignore[arg-type]
                 ts=obj.get("ts"),  # type: ignore[arg-type]
                 events=events,
@@ -246,6 +281,7 @@ class JsonCodec:
             )
         except KVStreamError as exc:
             raise DecodeError(str(exc)) from None
+        return batch, tuple(refused)
 
 
 def _event_from_dict(raw: Any, decimal: bool) -> KVCacheEvent:

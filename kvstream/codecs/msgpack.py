@@ -30,14 +30,22 @@ refuses only what it cannot convert. The batch itself is never refused: its
 ``seq`` stays used. :meth:`MsgpackCodec.encode_screened` returns what was
 refused, so a sink can count and log it (the ZMQ sink does).
 
-Decoding accepts both profiles, positional arrays of every length a vLLM
-version produced (``BlockStored`` from 6 elements, tag included, up; trailing
-elements a later version might add are ignored, as msgspec does), batches of
-2 elements (no rank) and a batch written as a map.
+Three more output profiles write the other consumers' dialects: ``sglang``,
+``sglang-positional`` and ``llm-d-2025-12``; their encoders live in
+:mod:`kvstream.codecs.dialects` and are picked by the profile dispatch in
+:class:`MsgpackCodec`'s constructor.
+
+Decoding reads every engine dialect (:mod:`kvstream.codecs.dialects`: vLLM map
+and positional of every historical length, SGLang map and positional,
+TensorRT-LLM's vLLM wire), batches of 2 elements (no rank) and a batch written
+as a map. It is per event: an event no dialect reads is left out and counted,
+the rest is delivered (:meth:`MsgpackCodec.decode_screened` returns the
+refusals). ``dialect=`` pins a dialect; ``media="normalize"`` maps ``medium``
+through :mod:`kvstream.media`'s table.
 
 msgpack carries no ``seq``, ``origin`` or ``epoch``: the transport knows them,
 so :meth:`MsgpackCodec.decode` takes them as keyword arguments (0 and "" when
-not given). Bytes that are not one valid batch raise
+not given). Bytes that are not a batch at all raise
 :class:`~kvstream.errors.DecodeError` naming what was wrong, and nothing else.
 """
 
@@ -51,6 +59,9 @@ from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, TypeAlias, ge
 import msgspec
 from msgspec.structs import astuple
 
+from kvstream.codecs import dialects
+from kvstream.codecs.dialects import DIALECTS, Dialect, check_dialect, read_event
+from kvstream.codecs.refusals import RefusalLog
 from kvstream.errors import ConfigError, DecodeError, KVStreamError
 from kvstream.events import (
     AllBlocksCleared,
@@ -59,7 +70,9 @@ from kvstream.events import (
     BlockStored,
     EventBatch,
     KVCacheEvent,
+    with_wire,
 )
+from kvstream.media import CANONICAL_MEDIA, MEDIA_POLICIES, MediaPolicy, canonical_medium
 
 if TYPE_CHECKING:
     from kvstream.config import Options
@@ -73,7 +86,7 @@ __all__ = [
     "codec_from_options",
 ]
 
-Profile: TypeAlias = Literal["map", "positional"]
+Profile: TypeAlias = Literal["map", "positional", "sglang", "sglang-positional", "llm-d-2025-12"]
 #: ``None``: write what vLLM would; ``refuse``: leave out what strict consumers
 #: reject; ``convert``: convert hashes where vLLM converts, refuse the rest.
 Strictness: TypeAlias = Literal["refuse", "convert"] | None
@@ -81,8 +94,10 @@ Strictness: TypeAlias = Literal["refuse", "convert"] | None
 PROFILES: Final[tuple[str, ...]] = get_args(Profile)
 STRICTNESS: Final[tuple[str, ...]] = ("refuse", "convert")
 
-#: The tiers strict consumers know; any other ``medium`` is refused in strict mode.
-STRICT_MEDIA: Final = frozenset({"GPU", "CPU", "CPU_PINNED", "DISK", "EXTERNAL"})
+#: The tiers strict consumers know: every canonical name of :mod:`kvstream.media`
+#: (``STORAGE`` included) and SGLang's ``CPU_PINNED``; any other ``medium`` is
+#: refused in strict mode.
+STRICT_MEDIA: Final = frozenset({*CANONICAL_MEDIA, "CPU_PINNED"})
 
 _U64_MASK: Final = (1 << 64) - 1
 
@@ -345,37 +360,6 @@ def _bad_hash_reason(event: str, hashes: list[BlockHash], parent: BlockHash | No
 
 # -- decoding ---------------------------------------------------------------------------
 
-_STORED_FIELDS: Final = (
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    "extra_keys",
-    "group_idx",
-    "kv_cache_spec_kind",
-    "kv_cache_spec_sliding_window",
-    "locality",
-)
-_REMOVED_FIELDS: Final = ("block_hashes", "medium", "group_idx", "locality")
-
-#: tag -> (event type, positional field order, fewest fields any version sent).
-_POSITIONAL: Final[dict[str, tuple[type[KVCacheEvent], tuple[str, ...], int]]] = {
-    # vLLM's first KV events (2025) had 5 BlockStored fields (through lora_id) and
-    # 1 BlockRemoved field; every later field was appended with a default.
-    "BlockStored": (BlockStored, _STORED_FIELDS, 5),
-    "BlockRemoved": (BlockRemoved, _REMOVED_FIELDS, 1),
-    "AllBlocksCleared": (AllBlocksCleared, (), 0),
-}
-_MAP_FIELDS: Final[dict[str, frozenset[str]]] = {
-    "BlockStored": frozenset((*_STORED_FIELDS, "metadata")),
-    "BlockRemoved": frozenset((*_REMOVED_FIELDS, "metadata")),
-    "AllBlocksCleared": frozenset(("metadata",)),
-}
-_TAGS: Final = "'BlockStored', 'BlockRemoved' or 'AllBlocksCleared'"
-
 #: What a foreign decoder or a validator may raise on bad input.
 _BAD_INPUT: Final = (
     msgspec.DecodeError,
@@ -395,34 +379,10 @@ def _short(value: object) -> str:
     return shown if len(shown) <= 80 else shown[:77] + "..."
 
 
-def _event_from_wire(raw: Any) -> KVCacheEvent:
-    """One event from its decoded msgpack form (a tagged map or a tagged array)."""
-    if type(raw) is dict:
-        tag = raw.get("type")
-        spec = _POSITIONAL.get(tag) if type(tag) is str else None
-        if spec is None:
-            raise DecodeError(f"type: expected {_TAGS}, got {_short(tag)}")
-        known = _MAP_FIELDS[spec[0].type_name]
-        # Keys a later vLLM may add are ignored, as msgspec does.
-        fields = {k: v for k, v in raw.items() if k in known}
-        return spec[0](**fields)
-    if type(raw) is list:
-        if not raw:
-            raise DecodeError("expected a tagged event array, got an empty array")
-        tag = raw[0]
-        spec = _POSITIONAL.get(tag) if type(tag) is str else None
-        if spec is None:
-            raise DecodeError(f"tag (element 0): expected {_TAGS}, got {_short(tag)}")
-        cls, names, fewest = spec
-        n = len(raw) - 1
-        if n < fewest:
-            raise DecodeError(
-                f"{tag}: expected at least {fewest} fields after the tag "
-                f"({', '.join(names[:fewest])}), got {n}"
-            )
-        # Trailing elements beyond what we know (a later version) are ignored.
-        return cls(**dict(zip(names, raw[1:], strict=False)))
-    raise DecodeError(f"expected an event (a tagged map or array), got {_short(raw)}")
+def _event_type_of(raw: Any) -> str:
+    """The tag a refused event claimed, for the refusal record (``?`` when none)."""
+    tag = raw.get("type") if type(raw) is dict else raw[0] if type(raw) is list and raw else None
+    return tag if type(tag) is str and len(tag) <= 40 else "?"
 
 
 def _batch_parts(obj: Any) -> tuple[Any, Any, Any]:
@@ -465,7 +425,17 @@ class MsgpackCodec:
     name = "msgpack"
     self_delimiting = False
 
-    __slots__ = ("_map_decoder", "_media", "_to_wire", "metadata", "profile", "strict")
+    __slots__ = (
+        "_map_decoder",
+        "_media",
+        "_refusals",
+        "_to_wire",
+        "dialect",
+        "media",
+        "metadata",
+        "profile",
+        "strict",
+    )
 
     def __init__(
         self,
@@ -474,6 +444,8 @@ class MsgpackCodec:
         metadata: bool = False,
         strict: Strictness = None,
         strict_media: Sequence[str] | None = None,
+        dialect: Dialect = "auto",
+        media: MediaPolicy = "keep",
     ) -> None:
         if profile not in PROFILES:
             raise ConfigError(
@@ -481,10 +453,18 @@ class MsgpackCodec:
             )
         if type(metadata) is not bool:
             raise ConfigError(f"msgpack codec: metadata: expected a bool, got {metadata!r}")
-        if metadata and profile == "positional":
+        if metadata and profile != "map":
             raise ConfigError(
-                "msgpack codec: metadata: the positional profile cannot carry metadata "
-                "(readers index fields by position); use profile=map"
+                f"msgpack codec: metadata: the {profile} profile cannot carry metadata "
+                "(its readers know only their own fields); use profile=map"
+            )
+        if dialect not in DIALECTS:
+            raise ConfigError(
+                f"msgpack codec: dialect: expected one of {', '.join(DIALECTS)}, got {dialect!r}"
+            )
+        if media not in MEDIA_POLICIES:
+            raise ConfigError(
+                f"msgpack codec: media: expected one of {', '.join(MEDIA_POLICIES)}, got {media!r}"
             )
         if strict is not None and strict not in STRICTNESS:
             raise ConfigError(
@@ -497,19 +477,24 @@ class MsgpackCodec:
                 "use metadata=False with strict"
             )
         if strict_media is None:
-            media = STRICT_MEDIA
+            strict_set = STRICT_MEDIA
         else:
             if isinstance(strict_media, str) or not all(type(m) is str and m for m in strict_media):
                 raise ConfigError(
                     f"msgpack codec: strict_media: expected a list of tier names, "
                     f"got {strict_media!r}"
                 )
-            media = frozenset(strict_media)
+            strict_set = frozenset(strict_media)
         self.profile: Profile = profile
         self.metadata = metadata
         self.strict: Strictness = strict
-        self._media: frozenset[str] = media
-        self._to_wire = _TO_WIRE[(profile, metadata)]
+        self._media: frozenset[str] = strict_set
+        self.dialect: Dialect = check_dialect(dialect)
+        self.media: MediaPolicy = media
+        self._refusals = RefusalLog("msgpack decode")
+        # -- profile dispatch: vLLM's profiles here, the other dialects' in dialects.py
+        to_wire = _TO_WIRE.get((profile, metadata))
+        self._to_wire = to_wire if to_wire is not None else dialects.ENCODERS[profile]
         self._map_decoder = msgspec.msgpack.Decoder(_MapBatchIn)
 
     @property
@@ -518,7 +503,12 @@ class MsgpackCodec:
         return self._media
 
     def _key(self) -> tuple[object, ...]:
-        return (self.profile, self.metadata, self.strict, self._media)
+        return (self.profile, self.metadata, self.strict, self._media, self.dialect, self.media)
+
+    @property
+    def events_refused(self) -> int:
+        """Events :meth:`decode` left out of the batches it returned (see :meth:`decode`)."""
+        return self._refusals.count
 
     def __eq__(self, other: object) -> bool:
         return type(other) is MsgpackCodec and other._key() == self._key()
@@ -528,6 +518,10 @@ class MsgpackCodec:
 
     def __repr__(self) -> str:
         media = "" if self._media == STRICT_MEDIA else f", strict_media={sorted(self._media)!r}"
+        if self.dialect != "auto":
+            media += f", dialect={self.dialect!r}"
+        if self.media != "keep":
+            media += f", media={self.media!r}"
         return (
             f"MsgpackCodec(profile={self.profile!r}, metadata={self.metadata}, "
             f"strict={self.strict!r}{media})"
@@ -633,37 +627,64 @@ class MsgpackCodec:
     ) -> EventBatch:
         """The batch in one payload frame; ``seq``/``origin``/``epoch`` come from the transport.
 
-        Raises :class:`DecodeError` (and nothing else) for anything that is not
-        one valid batch.
+        Decoding is per event: an event no dialect reads is left out of the
+        batch, counted in :attr:`events_refused` and logged once per burst, and
+        the rest is delivered (:meth:`decode_screened` returns the refusals).
+        Raises :class:`DecodeError` (and nothing else) for bytes that are not a
+        batch at all.
         """
+        batch, refused = self.decode_screened(data, seq=seq, origin=origin, epoch=epoch)
+        self._refusals.note(refused, seq, origin)
+        return batch
+
+    def decode_screened(
+        self,
+        data: bytes | bytearray | memoryview,
+        *,
+        seq: int = 0,
+        origin: str = "",
+        epoch: str = "",
+    ) -> tuple[EventBatch, tuple[Refusal, ...]]:
+        """The batch in one payload frame and the events refused in it (position, tag, why)."""
         if type(seq) is not int or seq < 0:
             raise DecodeError(f"seq: expected an int >= 0, got {seq!r}")
-        if self.profile == "map":
-            try:
-                fast = self._map_decoder.decode(data)
-            except _BAD_INPUT:
-                pass  # positional events, a map batch, or bad bytes: the general path
-            else:
-                ts = fast.ts
-                if math.isfinite(ts):
+        try:
+            # Fast path: every event a map kvstream's events read as they are
+            # (they refuse unknown fields, so a foreign field takes the general path).
+            fast = self._map_decoder.decode(data)
+        except _BAD_INPUT:
+            pass  # positional or foreign events, a map batch, a bad event, or bad bytes
+        else:
+            ts = fast.ts
+            if math.isfinite(ts):
+                events: list[KVCacheEvent] = fast.events  # type: ignore[assignment]
+                try:
+                    if self.media == "normalize":
+                        events = [_normalized(e) for e in events]
+                except KVStreamError:
+                    pass  # the general path refuses that event alone, naming it
+                else:
                     try:
-                        return EventBatch(
+                        batch = EventBatch(
                             seq=seq,
                             ts=ts,
-                            events=fast.events,  # type: ignore[arg-type]
+                            events=events,
                             data_parallel_rank=fast.data_parallel_rank,
                             origin=origin,
                             epoch=epoch,
                         )
                     except KVStreamError as exc:
                         raise DecodeError(str(exc)) from None
+                    return batch, ()
         try:
             obj = _DECODE_ANY(data)
         except _BAD_INPUT as exc:
             raise DecodeError(f"not a msgpack batch: {exc}") from None
         return self._batch_from_wire(obj, seq, origin, epoch)
 
-    def _batch_from_wire(self, obj: Any, seq: int, origin: str, epoch: str) -> EventBatch:
+    def _batch_from_wire(
+        self, obj: Any, seq: int, origin: str, epoch: str
+    ) -> tuple[EventBatch, tuple[Refusal, ...]]:
         ts, raw_events, rank = _batch_parts(obj)
         if type(ts) is int and not isinstance(ts, bool):
             ts = float(ts)
@@ -676,13 +697,16 @@ class MsgpackCodec:
         if type(raw_events) is not list:
             raise DecodeError(f"batch.events: expected an array, got {_short(raw_events)}")
         events: list[KVCacheEvent] = []
+        refused: list[Refusal] = []
+        dialect = self.dialect
+        media = self.media
         for i, raw in enumerate(raw_events):
             try:
-                events.append(_event_from_wire(raw))
+                events.append(read_event(raw, dialect, media))
             except _BAD_INPUT as exc:
-                raise DecodeError(f"events[{i}]: {exc}") from None
+                refused.append(Refusal(i, _event_type_of(raw), str(exc)))
         try:
-            return EventBatch(
+            batch = EventBatch(
                 seq=seq,
                 ts=ts,
                 events=events,
@@ -692,6 +716,19 @@ class MsgpackCodec:
             )
         except KVStreamError as exc:
             raise DecodeError(str(exc)) from None
+        return batch, tuple(refused)
+
+
+def _normalized(e: KVCacheEvent) -> KVCacheEvent:
+    """``e`` with its ``medium`` in canonical spelling, the raw one kept in metadata."""
+    medium = getattr(e, "medium", None)
+    if medium is None:
+        return e
+    canon = canonical_medium(medium)
+    if canon is None or canon == medium:
+        return e
+    meta = with_wire(e.metadata, {"medium": medium}, type(e).__name__)  # type: ignore[attr-defined]
+    return msgspec.structs.replace(e, medium=canon, metadata=meta)
 
 
 def _medium_reason(medium: str, media: frozenset[str]) -> str:
@@ -708,10 +745,14 @@ _DECODE_ANY: Final = msgspec.msgpack.Decoder().decode
 def codec_from_options(opts: Options) -> MsgpackCodec:
     """The codec a URL's options describe (``kvstream.config``'s ``_CODECS`` entry).
 
-    ``profile=map|positional``, ``metadata=true|false``,
-    ``strict=refuse|convert|off``, ``strict_media=GPU,CPU,...``.
+    ``profile=map|positional|sglang|sglang-positional|llm-d-2025-12``,
+    ``metadata=true|false``, ``strict=refuse|convert|off``,
+    ``strict_media=GPU,CPU,...``, ``dialect=auto|vllm|sglang``,
+    ``media=keep|normalize``.
     """
     profile = opts.pop_choice("profile", PROFILES, "map")
+    dialect = opts.pop_choice("dialect", DIALECTS, "auto")
+    media_policy = opts.pop_choice("media", MEDIA_POLICIES, "keep")
     metadata = opts.pop_bool("metadata")
     strict = opts.pop_choice("strict", ("off", *STRICTNESS), "off")
     media = opts.pop_str("strict_media")
@@ -720,4 +761,6 @@ def codec_from_options(opts: Options) -> MsgpackCodec:
         metadata=metadata,
         strict=None if strict == "off" else strict,  # type: ignore[arg-type]
         strict_media=None if media is None else [m.strip() for m in media.split(",") if m.strip()],
+        dialect=dialect,  # type: ignore[arg-type]
+        media=media_policy,  # type: ignore[arg-type]
     )

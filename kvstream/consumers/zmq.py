@@ -9,9 +9,15 @@ central consumer) and, when it has a replay endpoint, a DEALER to that.
 Per publisher it keeps continuity (:mod:`kvstream.wire.vllm_zmq` reads the
 frames):
 
-* **Start.** Without ``from_seq`` it joins at the first batch it hears. With
-  ``from_seq`` it asks for a replay from there at once and holds live batches
-  until the replay ends.
+* **Start.** A publisher counts its batches from 0, so a fresh publisher first
+  heard at seq > 0 (the subscriber started first: ZMQ's slow joiner drops
+  what was sent before the connection) is replayed from 0 when it has a replay
+  endpoint, and what its ring no longer has is reported as a :class:`Gap`;
+  without a replay endpoint the batches before the first one heard are
+  reported as a gap. ``join="live"`` joins at the first batch heard instead,
+  silently (for a tail that only wants what comes next). With ``from_seq`` it
+  asks for a replay from there at once and holds live batches until the
+  replay ends.
 * **Gaps.** A live batch past the next expected one starts a replay of what
   is missing. While a replay is in flight, live batches wait in a bounded
   reorder buffer; replayed and held batches are delivered in sequence order,
@@ -20,10 +26,22 @@ frames):
   a timeout, no replay endpoint) is reported as a :class:`Gap` item, never
   hidden. A buffer overflow drops the live batch (counted); the gap it leaves
   is repaired by the next replay.
-* **Restarts.** PUB/SUB delivers in order and never twice, so a live ``seq``
-  that does not move forward (normally back to 0) means the publisher
-  restarted: the origin gets a new epoch, and batches it missed since are
-  asked from the new instance's ring.
+* **Restarts and duplicates.** PUB/SUB delivers in order, so a live ``seq``
+  that goes back (normally to 0) means the publisher restarted: the origin
+  gets a new epoch, and batches it missed since are asked from the new
+  instance's ring. A live ``seq`` equal to the last one is a duplicate (a
+  publisher resending), dropped and counted, never a restart.
+* **Fan-in.** A bound subscriber (``*`` in the endpoint, or ``bind=1``) may have
+  many publishers connected to it (vLLM connects its PUB when its endpoint
+  has no ``*``; llm-d's centralised mode): it keeps one origin per
+  ``(topic, data_parallel_rank)``, each with its own continuity, named
+  ``ORIGIN/TOPIC#dpRANK`` (the topic part when the topic is not empty, the
+  rank part when the batch carries one). Replays, when the bound endpoint has
+  a replay endpoint, are asked and answered one at a time per link, each
+  reply routed to the origin that asked.
+* **Refused events.** A payload is decoded per event: an event no dialect
+  reads is counted (``events_refused``) and logged once per burst, the rest
+  of its batch is delivered.
 * **Malformed frames** (wrong frame count, a seq frame not 8 bytes, a payload
   that does not decode) are skipped, counted and logged; a payload that does
   not decode under a valid seq is reported as a one-batch :class:`Gap`.
@@ -38,12 +56,15 @@ from __future__ import annotations
 import logging
 import math
 import secrets
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, TypeAlias
 
 import anyio
+import msgspec
 
+from kvstream.codecs.dialects import DIALECTS
 from kvstream.codecs.msgpack import MsgpackCodec
 from kvstream.consumers.base import Gap, Subscriber, SubscriberItem
 from kvstream.errors import (
@@ -53,6 +74,7 @@ from kvstream.errors import (
     MissingDependencyError,
     TransportError,
 )
+from kvstream.media import MEDIA_POLICIES
 from kvstream.wire.vllm_zmq import (
     DEFAULT_HWM,
     ReplayBatch,
@@ -89,6 +111,33 @@ DEFAULT_MAX_REORDER_BYTES: Final = 64 * 1024 * 1024
 _SUSPEND_FACTOR: Final = 6.0
 #: Messages read from one socket before the others get a turn.
 _READ_BUDGET: Final = 256
+#: Origins one bound endpoint keeps apart; messages of further ones are refused
+#: (counted, logged once), so a peer inventing topics cannot grow memory without bound.
+MAX_FAN_IN: Final = 1024
+
+#: Where a fresh publisher's stream begins: at seq 0 (replayed or reported as a
+#: gap) or at the first batch heard.
+Join: TypeAlias = Literal["start", "live"]
+JOINS: Final = ("start", "live")
+
+
+class _RankPeek(msgspec.Struct, array_like=True, gc=False):
+    """The batch's rank without decoding its events (fan-in routing)."""
+
+    ts: msgspec.Raw
+    events: msgspec.Raw
+    data_parallel_rank: int | None = None
+
+
+_PEEK: Final = msgspec.msgpack.Decoder(_RankPeek)
+
+
+def peek_rank(payload: bytes) -> int | None:
+    """The ``data_parallel_rank`` of a payload frame (None when absent or unreadable)."""
+    try:
+        return _PEEK.decode(payload).data_parallel_rank
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 def default_origin(endpoint: str) -> str:
@@ -114,6 +163,9 @@ class ZmqPublisher:
     from_seq: int | None = None
     #: Override the rule (bind when the endpoint holds ``*``, else connect).
     bind: bool | None = None
+    #: ``start``: a fresh publisher's stream begins at seq 0 (replayed, or a gap);
+    #: ``live``: at the first batch heard.
+    join: Join = "start"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "endpoint", normalize_endpoint(self.endpoint))
@@ -125,6 +177,8 @@ class ZmqPublisher:
             raise ConfigError(f"origin: expected a non-empty str, got {self.origin!r}")
         if self.from_seq is not None and (type(self.from_seq) is not int or self.from_seq < 0):
             raise ConfigError(f"from_seq: expected an int >= 0, got {self.from_seq!r}")
+        if self.join not in JOINS:
+            raise ConfigError(f"join: expected one of {', '.join(JOINS)}, got {self.join!r}")
 
     @property
     def origin_name(self) -> str:
@@ -158,6 +212,8 @@ class PublisherStatistics(NamedTuple):
     #: Live batches dropped because the reorder buffer was full.
     reorder_overflow: int
     restarts: int
+    #: Events left out of delivered batches because no dialect reads them.
+    events_refused: int = 0
 
 
 class PublisherStream:
@@ -180,8 +236,13 @@ class PublisherStream:
         replay_timeout: float = DEFAULT_REPLAY_TIMEOUT,
         max_reorder: int = DEFAULT_MAX_REORDER,
         max_reorder_bytes: int = DEFAULT_MAX_REORDER_BYTES,
+        join: Join = "start",
+        exact_topic: bool = False,
     ) -> None:
         self.origin = origin
+        self.join = join
+        #: Replies must carry exactly ``topic`` (a fan-in origin), not only start with it.
+        self.exact_topic = exact_topic
         self.codec = codec
         self.has_replay = has_replay
         self.topic = topic
@@ -203,6 +264,8 @@ class PublisherStream:
         self.stopping = False
         self._malformed_burst = False
         self._overflow_burst = False
+        self._refused_burst = False
+        self.events_refused = 0
         # counters
         self.batches = 0
         self.events = 0
@@ -220,18 +283,24 @@ class PublisherStream:
     # -- inputs -------------------------------------------------------------------------
 
     def start(self, from_seq: int | None, now: float) -> list[SubscriberItem]:
-        """Begin: from ``from_seq`` (replayed when possible) or at the first live batch."""
+        """Begin: from ``from_seq`` (replayed when possible), from 0, or at the first live batch."""
         if from_seq is not None:
             self.expected = from_seq
             if self.has_replay:
                 self._begin_replay(from_seq, None, now)
+        elif self.join == "start":
+            self.expected = 0  # a fresh publisher counts from 0: what came before is asked
         return []
 
     def on_live(self, seq: int, payload: bytes, now: float) -> list[SubscriberItem]:
         """A live batch arrived."""
         out: list[SubscriberItem] = []
         self._malformed_burst = False
-        if self.last_live is not None and seq <= self.last_live:
+        last = self.last_live
+        if last is not None and seq <= last:
+            if seq == last:  # the same batch again: a duplicate, never a restart
+                self.duplicates += 1
+                return out
             out.extend(self._restart(seq))
         self.last_live = seq
         if self.replaying:
@@ -250,6 +319,8 @@ class PublisherStream:
                 return out
             if not self.has_replay:
                 why = "no replay endpoint"
+                if self.batches == 0 and expected == 0:
+                    why += "; published before the subscriber heard the publisher"
             elif self.stopping:
                 why = "the subscriber is stopping"
             else:
@@ -266,7 +337,11 @@ class PublisherStream:
         if reply is None:
             self.replays_completed += 1
             return self._finish_replay(now, None)
-        if reply.topic is not None and not reply.topic.startswith(self.topic):
+        if reply.topic is not None and (
+            reply.topic != self.topic
+            if self.exact_topic
+            else not reply.topic.startswith(self.topic)
+        ):
             return []  # another stream of a multi-origin publisher
         expected = self.expected
         assert expected is not None  # a replay always starts from a known position
@@ -420,11 +495,30 @@ class PublisherStream:
     def _deliver(self, seq: int, payload: bytes, *, replayed: bool) -> list[SubscriberItem]:
         self.expected = seq + 1
         try:
-            batch = self.codec.decode(payload, seq=seq, origin=self.origin, epoch=self.epoch)
+            batch, refused = self.codec.decode_screened(
+                payload, seq=seq, origin=self.origin, epoch=self.epoch
+            )
         except DecodeError as exc:
             self.malformed += 1
             log.warning("origin %s: batch %d does not decode, skipped: %s", self.origin, seq, exc)
             return [self._gap(seq, seq + 1, f"undecodable payload: {exc}")]
+        if refused:
+            self.events_refused += len(refused)
+            if not self._refused_burst:
+                self._refused_burst = True
+                first = refused[0]
+                log.warning(
+                    "origin %s: batch %d: %d event(s) no dialect reads were refused, the rest "
+                    "delivered (first: events[%d] %s: %s); counted only for the rest of the burst",
+                    self.origin,
+                    seq,
+                    len(refused),
+                    first.position,
+                    first.event_type,
+                    first.reason,
+                )
+        else:
+            self._refused_burst = False
         self.batches += 1
         self.events += len(batch.events)
         if replayed:
@@ -448,19 +542,86 @@ class PublisherStream:
             replayed=self.replayed,
             reorder_overflow=self.reorder_overflow,
             restarts=self.restarts,
+            events_refused=self.events_refused,
         )
+
+    def resend(self, now: float) -> None:
+        """The replay socket was replaced under this stream's replay: ask again."""
+        if self.replaying and self.expected is not None:
+            self.requests.append(self.expected)
+            self.replay_deadline = now + self.replay_timeout
+
+
+_StreamKey: TypeAlias = tuple[bytes, int | None]
 
 
 class _Link:
-    """The sockets of one publisher and its stream state."""
+    """The sockets of one publisher endpoint and the stream state behind it.
 
-    __slots__ = ("dealer", "spec", "stream", "sub")
+    A connecting link has one stream (one publisher, one sequence space). A
+    bound link may have many publishers connected to it: one stream per
+    ``(topic, data_parallel_rank)``, created when first heard.
+    """
 
-    def __init__(self, spec: ZmqPublisher, stream: PublisherStream) -> None:
+    __slots__ = ("dealer", "factory", "inflight", "primary", "spec", "streams", "sub")
+
+    def __init__(self, spec: ZmqPublisher, factory: Any) -> None:
         self.spec = spec
-        self.stream = stream
+        #: ``factory(origin, topic, exact)`` makes a PublisherStream.
+        self.factory = factory
+        self.streams: dict[_StreamKey, PublisherStream] = {}
+        self.primary: PublisherStream | None = None
+        if not spec.binds:
+            self.primary = factory(spec.origin_name, spec.topic.encode(), False)
+        #: Streams whose replay request was sent, oldest first: replies answer them in turn.
+        self.inflight: deque[PublisherStream] = deque()
         self.sub: zmq.asyncio.Socket | None = None
         self.dealer: zmq.asyncio.Socket | None = None
+
+    def all_streams(self) -> Iterator[PublisherStream]:
+        if self.primary is not None:
+            yield self.primary
+        yield from self.streams.values()
+
+    def stream_for(self, topic: bytes, payload: bytes, now: float) -> tuple[PublisherStream, bool]:
+        """The stream a live message belongs to, and whether it was just made."""
+        if self.primary is not None:
+            return self.primary, False
+        key = (topic, peek_rank(payload))
+        stream = self.streams.get(key)
+        if stream is not None:
+            return stream, False
+        if len(self.streams) >= MAX_FAN_IN:
+            raise DecodeError(
+                f"fan-in: {len(self.streams)} origins on {self.spec.endpoint} already (the "
+                f"limit); topic {topic[:60]!r} rank {key[1]!r} refused"
+            )
+        name = self.spec.origin_name
+        if topic:
+            name += "/" + topic.decode("utf-8", "replace")
+        if key[1] is not None:
+            name += f"#dp{key[1]}"
+        stream = self.streams[key] = self.factory(name, topic, True)
+        log.info("fan-in: new publisher on %s: origin %s", self.spec.endpoint, name)
+        return stream, True
+
+    def route_reply(self, reply: ReplayBatch | None) -> PublisherStream | None:
+        """The stream a replay message answers (the oldest request in flight)."""
+        if not self.inflight:
+            return None
+        head = self.inflight[0]
+        if reply is None:
+            self.inflight.popleft()
+            return head
+        if self.primary is None and peek_rank(reply.payload) != self._rank_of(head):
+            return None  # another fan-in origin's batch in a shared ring
+        return head
+
+    def _rank_of(self, stream: PublisherStream) -> int | None:
+        for (_, rank), s in self.streams.items():
+            if s is stream:
+                return rank
+        return None
 
 
 class ZmqSubscriber(Subscriber):
@@ -505,22 +666,28 @@ class ZmqSubscriber(Subscriber):
         self.codec = codec or MsgpackCodec()
         self.hwm = hwm
         self.poll_interval = poll_interval
-        self._links = [
-            _Link(
-                spec,
-                PublisherStream(
-                    spec.origin_name,
+
+        def factory(spec: ZmqPublisher) -> Any:
+            def make(origin: str, topic: bytes, exact: bool) -> PublisherStream:
+                return PublisherStream(
+                    origin,
                     codec=self.codec,
                     has_replay=spec.replay_endpoint is not None,
-                    topic=spec.topic.encode(),
+                    topic=topic,
                     replay_timeout=replay_timeout,
                     max_reorder=max_reorder,
                     max_reorder_bytes=max_reorder_bytes,
-                ),
-            )
-            for spec in specs
-        ]
+                    join=spec.join,
+                    exact_topic=exact,
+                )
+
+            return make
+
+        self._links = [_Link(spec, factory(spec)) for spec in specs]
         self._gen: AsyncGenerator[SubscriberItem, None] | None = None
+        #: Malformed messages on a bound link that no origin could be told from.
+        self._fan_in_malformed = 0
+        self._fan_in_burst = False
         self._closed = False
         self._stopping = False
         self._stop_grace = 0.0
@@ -531,7 +698,20 @@ class ZmqSubscriber(Subscriber):
         return tuple(link.spec for link in self._links)
 
     def statistics(self) -> tuple[PublisherStatistics, ...]:
-        return tuple(link.stream.statistics() for link in self._links)
+        """One record per origin: per connected publisher, per fan-in origin heard."""
+        return tuple(s.statistics() for s in self._streams())
+
+    @property
+    def unattributed(self) -> int:
+        """Messages on a bound endpoint skipped before any origin could be told from them.
+
+        Malformed frames, and publishers beyond :data:`MAX_FAN_IN` origins.
+        """
+        return self._fan_in_malformed
+
+    def _streams(self) -> Iterator[PublisherStream]:
+        for link in self._links:
+            yield from link.all_streams()
 
     def __aiter__(self) -> AsyncIterator[SubscriberItem]:
         if self._closed:
@@ -582,7 +762,8 @@ class ZmqSubscriber(Subscriber):
             now = anyio.current_time()
             pending: list[SubscriberItem] = []
             for link in self._links:
-                pending.extend(link.stream.start(link.spec.from_seq, now))
+                if link.primary is not None:
+                    pending.extend(link.primary.start(link.spec.from_seq, now))
             stop_deadline: float | None = None
             while True:
                 await self._send_requests(ctx, poller, by_socket)
@@ -597,18 +778,18 @@ class ZmqSubscriber(Subscriber):
                 if self._stopping:
                     if stop_deadline is None:
                         stop_deadline = now + self._stop_grace
-                        for link in self._links:
-                            link.stream.stopping = True
-                    if now >= stop_deadline or not any(lk.stream.replaying for lk in self._links):
+                        for stream in self._streams():
+                            stream.stopping = True
+                    if now >= stop_deadline or not any(st.replaying for st in self._streams()):
                         # Last round: what already arrived, then what replays left held.
                         for sock, (link, is_dealer) in list(by_socket.items()):
                             pending.extend(await self._read(sock, link, is_dealer, now))
-                        for link in self._links:
-                            pending.extend(link.stream.on_stop(now))
+                        for stream in list(self._streams()):
+                            pending.extend(stream.on_stop(now))
                         for item in pending:
                             yield item
                         break
-                deadline = min(link.stream.deadline for link in self._links)
+                deadline = min((st.deadline for st in self._streams()), default=math.inf)
                 if stop_deadline is not None:
                     deadline = min(deadline, stop_deadline)
                 wait = min(self.poll_interval, max(deadline - now, 0.0))
@@ -619,8 +800,8 @@ class ZmqSubscriber(Subscriber):
                     if entry is not None:
                         link, is_dealer = entry
                         pending.extend(await self._read(sock, link, is_dealer, now))
-                for link in self._links:
-                    pending.extend(link.stream.on_timer(now))
+                for stream in list(self._streams()):
+                    pending.extend(stream.on_timer(now))
         finally:
             for sock in list(by_socket):
                 sock.close(linger=0)
@@ -675,47 +856,77 @@ class ZmqSubscriber(Subscriber):
         poller: zmq.asyncio.Poller,
         by_socket: dict[zmq.asyncio.Socket, tuple[_Link, bool]],
     ) -> None:
+        now = anyio.current_time()
         for link in self._links:
-            stream = link.stream
-            if stream.reset_dealer:
-                stream.reset_dealer = False
+            streams = list(link.all_streams())
+            if any(st.reset_dealer for st in streams):
+                # A new socket: replies to the old one's requests never come, so
+                # every other stream still replaying asks again on the new one.
+                link.inflight.clear()
+                for stream in streams:
+                    if stream.reset_dealer:
+                        stream.reset_dealer = False
+                    else:
+                        stream.resend(now)
                 self._open_dealer(ctx, poller, by_socket, link)
-            while stream.requests:
-                start = stream.requests.pop(0)
-                dealer = link.dealer
-                assert dealer is not None
-                try:
-                    await dealer.send_multipart(replay_request(start), flags=zmq.NOBLOCK)
-                except zmq.ZMQError as exc:
-                    # Not sent (no connection yet, or a full pipe): the timeout reports it.
-                    log.warning(
-                        "origin %s: replay request from %d not sent: %s", stream.origin, start, exc
-                    )
-                else:
-                    log.info("origin %s: replay requested from seq %d", stream.origin, start)
+            for stream in streams:
+                while stream.requests:
+                    start = stream.requests.pop(0)
+                    dealer = link.dealer
+                    assert dealer is not None
+                    try:
+                        await dealer.send_multipart(replay_request(start), flags=zmq.NOBLOCK)
+                    except zmq.ZMQError as exc:
+                        # Not sent (no connection yet, or a full pipe): the timeout reports it.
+                        log.warning(
+                            "origin %s: replay request from %d not sent: %s",
+                            stream.origin,
+                            start,
+                            exc,
+                        )
+                    else:
+                        link.inflight.append(stream)
+                        log.info("origin %s: replay requested from seq %d", stream.origin, start)
 
     async def _read(
         self, sock: zmq.asyncio.Socket, link: _Link, is_dealer: bool, now: float
     ) -> list[SubscriberItem]:
         out: list[SubscriberItem] = []
-        stream = link.stream
         for _ in range(_READ_BUDGET):
             try:
                 frames = await sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 break
             except zmq.ZMQError as exc:
-                raise TransportError(f"origin {stream.origin}: cannot receive: {exc}") from exc
+                raise TransportError(f"{link.spec.endpoint}: cannot receive: {exc}") from exc
+            stream: PublisherStream | None = link.primary
             try:
                 if is_dealer:
-                    out.extend(stream.on_replay(parse_replay_reply(frames), now))
+                    reply = parse_replay_reply(frames)
+                    stream = link.route_reply(reply)
+                    if stream is not None:
+                        out.extend(stream.on_replay(reply, now))
                 else:
                     live = parse_live(frames)
+                    stream, fresh = link.stream_for(live.topic, live.payload, now)
+                    if fresh:
+                        out.extend(stream.start(link.spec.from_seq, now))
                     out.extend(stream.on_live(live.seq, live.payload, now))
             except DecodeError as exc:
-                stream.on_malformed(str(exc))
+                if stream is not None:
+                    stream.on_malformed(str(exc))
+                else:
+                    self._fan_in_malformed += 1
+                    if not self._fan_in_burst:
+                        self._fan_in_burst = True
+                        log.warning(
+                            "%s: message skipped (counted only for the rest of the burst): %s",
+                            link.spec.endpoint,
+                            exc,
+                        )
                 continue
-            if stream.requests or stream.reset_dealer:
+            self._fan_in_burst = False
+            if stream is not None and (stream.requests or stream.reset_dealer):
                 break  # let the loop send the next replay request first
         return out
 
@@ -741,10 +952,18 @@ def subscriber_from_url(parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]
         topic=opts.pop_str("topic", "") or "",
         from_seq=opts.pop_int("from_seq", from_seq),
         bind=bind,
+        join=opts.pop_choice("join", JOINS, "start"),  # type: ignore[arg-type]
     )
     kwargs.pop("follow", None)  # a live stream is always followed
+    codec = None
+    if any(k in opts for k in ("dialect", "media")):
+        codec = MsgpackCodec(
+            dialect=opts.pop_choice("dialect", DIALECTS, "auto"),  # type: ignore[arg-type]
+            media=opts.pop_choice("media", MEDIA_POLICIES, "keep"),  # type: ignore[arg-type]
+        )
     return ZmqSubscriber(
         spec,
+        codec=codec,
         replay_timeout=opts.pop_float("replay_timeout", DEFAULT_REPLAY_TIMEOUT)
         or DEFAULT_REPLAY_TIMEOUT,
         max_reorder=opts.pop_int("max_reorder", DEFAULT_MAX_REORDER, minimum=1)

@@ -1,12 +1,15 @@
 """Quickstart: an engine's step loop publishing KV cache events to a JSON-lines file.
 
-Run it (``python examples/quickstart.py``), then look at ``events.jsonl``: one
-line per batch, one batch per step.
+Run it: ``python examples/quickstart.py`` writes into a temporary directory and
+removes it at the end; ``python examples/quickstart.py events.jsonl`` keeps the
+file, one line per batch, one batch per step.
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
+from pathlib import Path
 
 import anyio
 
@@ -40,4 +43,9 @@ async def main(path: str = "events.jsonl") -> None:
 
 
 if __name__ == "__main__":
-    anyio.run(main, sys.argv[1] if len(sys.argv) > 1 else "events.jsonl")
+    if len(sys.argv) > 1:
+        anyio.run(main, sys.argv[1])
+        print(f"wrote {sys.argv[1]}")
+    else:
+        with tempfile.TemporaryDirectory() as scratch:
+            anyio.run(main, str(Path(scratch) / "events.jsonl"))

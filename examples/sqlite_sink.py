@@ -1,6 +1,7 @@
 """A custom sink: every batch becomes a row of a SQLite table.
 
-Run it (``python examples/sqlite_sink.py``), then
+Run it: ``python examples/sqlite_sink.py`` prints the rows and removes its
+temporary database; ``python examples/sqlite_sink.py events.db`` keeps it, for
 ``sqlite3 events.db 'select origin, seq, events from batches'``.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 import sys
+import tempfile
 from contextlib import closing
 from typing import Any
 
@@ -71,4 +73,8 @@ async def main(path: str = "events.db") -> list[tuple[Any, ...]]:
 
 
 if __name__ == "__main__":
-    anyio.run(main, sys.argv[1] if len(sys.argv) > 1 else "events.db")
+    if len(sys.argv) > 1:
+        anyio.run(main, sys.argv[1])
+    else:
+        with tempfile.TemporaryDirectory() as scratch:
+            anyio.run(main, f"{scratch}/events.db")

@@ -233,5 +233,5 @@ def test_options_are_taken_one_by_one_and_leftovers_refused() -> None:
 
 def test_a_missing_extra_names_the_install_command() -> None:
     table = {"fancy": ("kvstream_no_such_module:factory", "zmq")}
-    with pytest.raises(MissingDependencyError, match=r"pip install 'kvstream\[zmq\]'"):
+    with pytest.raises(MissingDependencyError, match=r"pip install 'kvstream-events\[zmq\]'"):
         _load(table, "fancy", "fancy://x")

@@ -51,7 +51,7 @@ def add_metrics_option(parser: argparse.ArgumentParser) -> None:
         metavar="ADDR",
         default=None,
         help="serve Prometheus metrics at http://ADDR/metrics while running, "
-        "e.g. 127.0.0.1:9464 or :0 (needs kvstream[metrics])",
+        "e.g. 127.0.0.1:9464 or :0 (needs kvstream-events[metrics])",
     )
     parser.add_argument(
         "--metrics-token-env",

@@ -58,7 +58,9 @@ class MissingDependencyError(KVStreamError, ImportError):
 
     @classmethod
     def for_extra(cls, module: str, extra: str, exc: ImportError) -> MissingDependencyError:
-        err = cls(f"{module} is not installed; install it with: pip install 'kvstream-events[{extra}]'")
+        err = cls(
+            f"{module} is not installed; install it with: pip install 'kvstream-events[{extra}]'"
+        )
         err.__cause__ = exc
         return err
 

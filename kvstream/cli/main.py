@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="log verbosity on stderr (default: WARNING)",
     )
     parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="the same as --log-level INFO: shows every connection attempt, among others",
+    )
+    parser.add_argument(
         "--config",
         metavar="FILE",
         help="TOML file giving defaults for any option: global keys at the top, "
@@ -105,8 +111,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     args = parser.parse_args(argv)
     finish_args(args)
+    level = getattr(logging, args.log_level)
+    if args.verbose:
+        level = min(level, logging.INFO)
     logging.basicConfig(
-        level=getattr(logging, args.log_level),
+        level=level,
         format="kvstream: %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )

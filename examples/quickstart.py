@@ -17,7 +17,6 @@ from kvstream import BlockRemoved, BlockStored, FileSink, Scheduler
 
 
 async def main(path: str = "events.jsonl") -> None:
-    # --8<-- [start:pipeline]
     async with Scheduler(sinks=[FileSink(path)], origin="engine-0") as kv:
         parent = None
         for step in range(3):
@@ -39,7 +38,6 @@ async def main(path: str = "events.jsonl") -> None:
             assert batch is not None
             print(f"batch seq={batch.seq} epoch={batch.epoch} events={len(batch.events)}")
     # Leaving the block delivered every batch to every sink.
-    # --8<-- [end:pipeline]
 
 
 if __name__ == "__main__":

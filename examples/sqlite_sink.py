@@ -22,7 +22,6 @@ SCHEMA = """CREATE TABLE IF NOT EXISTS batches (
     PRIMARY KEY (origin, epoch, seq))"""
 
 
-# --8<-- [start:sink]
 class SQLiteSink(Sink):
     """Every batch as one row: (origin, epoch, seq, number of events, its JSON line)."""
 
@@ -47,11 +46,7 @@ class SQLiteSink(Sink):
             self.db.close()
 
 
-# --8<-- [end:sink]
-
-
 async def main(path: str = "events.db") -> list[tuple[Any, ...]]:
-    # --8<-- [start:use]
     async with Scheduler(sinks=[SQLiteSink(path)], origin="engine-0") as kv:
         for step in range(5):
             kv.emit(
@@ -64,7 +59,6 @@ async def main(path: str = "events.db") -> list[tuple[Any, ...]]:
                 )
             )
             await kv.tick()
-    # --8<-- [end:use]
     with closing(sqlite3.connect(path)) as db:
         rows = db.execute("SELECT origin, seq, events FROM batches ORDER BY seq").fetchall()
     for row in rows:

@@ -8,12 +8,12 @@ Sink URLs (every one also takes ``?policy=block|drop_oldest|drop_newest``,
                               ?rotate_bytes=64MiB&rotate_seconds=3600&keep=10 rotate it
     memory:                   a MemorySink (tests, examples)
 
-and, as their issues land, ``tcp://HOST:PORT``, ``unix:PATH``, ``zmq+tcp://...``,
-``zmq+ipc://...``, ``nats://...``, ``redis://...``. An option a sink does not
-know is an error that names it; so is a malformed value.
+and ``tcp://HOST:PORT``, ``unix:PATH``, ``zmq+tcp://...``, ``zmq+ipc://...``,
+``nats://...``, ``redis://...``. An option a sink does not know is an error
+that names it; so is a malformed value.
 
 Integrations are imported only when their scheme is used, so a missing extra
-says which ``pip install 'kvstream[...]'`` fixes it.
+says which ``pip install 'kvstream-events[...]'`` fixes it.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Runs every benchmark of kvstream.bench (or those named with ``--only``)
 with a progress bar on stderr, prints a table (events/s, ratio to the
 baseline measured in the same run, CPU per event, p50/p99), checks the
 project's targets, and optionally writes the report as JSON and a plot of
-events/s against events per tick. ``--quick`` runs small sizes (about 80 s on
-an idle 2-core machine; the run prints its own time); numbers for the record
+events/s against events per tick. ``--quick`` runs small sizes (about 50 s on a
+2-core machine; every run prints its own time); numbers for the record
 come from a full run. ``--check`` exits with status 1 when a target is missed.
 """
 
@@ -27,7 +27,7 @@ from kvstream.errors import ConfigError
 __all__ = ["QUICK_TIME", "missed_targets", "register", "run"]
 
 #: What ``kvstream bench --quick`` took, measured (see docs/benchmarks.md).
-QUICK_TIME = "about 80 s"
+QUICK_TIME = "about 50 s"
 
 EXAMPLES = (
     f"""\
@@ -57,7 +57,7 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--quick", action="store_true", help=f"small sizes ({QUICK_TIME} on an idle 2-core machine)"
+        "--quick", action="store_true", help=f"small sizes ({QUICK_TIME} on a 2-core machine)"
     )
     p.add_argument(
         "--check", action="store_true", help="exit with status 1 when any target is missed"

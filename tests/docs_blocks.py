@@ -17,6 +17,7 @@ themselves run in ``tests/test_examples.py``.
 from __future__ import annotations
 
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -93,3 +94,38 @@ def blocks(path: Path) -> list[Block]:
         found.append(Block(path, i + 1, _language(m["info"]), body + "\n", d["body"] if d else ""))
         i = j + 1
     return found
+
+
+_PORT: Final = re.compile(
+    r"(?P<host>127\.0\.0\.1:|localhost:|\*:|port=|--port )(?P<port>[4-9]\d{3})\b"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def map_ports(code: str, ports: dict[str, int] | None = None) -> str:
+    """``code`` with each fixed port (``127.0.0.1:5600``, ``*:5557``, ``port=5600``)
+    replaced by a free one, the same port by the same free port; ``ports`` collects them."""
+    mapping: dict[str, int] = {} if ports is None else ports
+
+    def swap(m: re.Match[str]) -> str:
+        port = mapping.setdefault(m["port"], free_port())
+        return f"{m['host']}{port}"
+
+    return _PORT.sub(swap, code)
+
+
+def commands(code: str) -> list[str]:
+    """The commands of a bash block: continuation lines joined, comments dropped."""
+    joined = re.sub(r"\\\n\s*", " ", code)
+    out = []
+    for line in joined.splitlines():
+        line = re.sub(r"\s+#.*$", "", line).strip()
+        if line and not line.startswith("#"):
+            out.append(line)
+    return out

@@ -17,7 +17,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tomllib
@@ -25,14 +24,13 @@ from pathlib import Path
 from typing import Final
 
 import pytest
-from docs_blocks import ROOT, RUNNABLE, Block, blocks, pages
+from docs_blocks import ROOT, RUNNABLE, Block, blocks, map_ports, pages
 
 #: Pages other work is rewriting now; their blocks join this test once it lands.
 PENDING: Final = frozenset(
     {"docs/benchmarks.md", "docs/prefix-index.md", "docs/vllm-wire.md", "docs/design.md"}
 )
 TIMEOUT: Final = 90.0
-_PORT: Final = re.compile(r"(?P<host>127\.0\.0\.1:|localhost:|\*:|port=)(?P<port>[4-9]\d{3})\b")
 
 
 def _pages() -> list[Path]:
@@ -51,23 +49,6 @@ def _to_run() -> list[Block]:
         and b.not_run_reason is None
         and not b.directive.startswith("vllm-path")
     ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _map_ports(code: str) -> str:
-    ports: dict[str, int] = {}
-
-    def swap(m: re.Match[str]) -> str:
-        port = ports.setdefault(m["port"], _free_port())
-        return f"{m['host']}{port}"
-
-    return _PORT.sub(swap, code)
 
 
 def _extras() -> set[str]:
@@ -148,12 +129,10 @@ def test_block_runs_as_pasted(block: Block, page_dirs: dict[Path, Path]) -> None
         assert done.returncode == 0, f"{block.where}: setup failed\n{done.stderr}"
     if block.language == "python":
         script = cwd / f"block_{block.line}.py"
-        script.write_text(_map_ports(block.code))
+        script.write_text(map_ports(block.code))
         done = _run([sys.executable, str(script)], cwd, block.where)
     else:
-        done = _run(
-            ["bash", "-euo", "pipefail", "-c", _map_ports(_script(block))], cwd, block.where
-        )
+        done = _run(["bash", "-euo", "pipefail", "-c", map_ports(_script(block))], cwd, block.where)
     assert done.returncode == 0, (
         f"{block.where} exited {done.returncode}\n--- stdout\n{done.stdout[-3000:]}"
         f"\n--- stderr\n{done.stderr[-3000:]}"

@@ -1,7 +1,7 @@
 """Quickstart: an engine's step loop publishing KV cache events to a JSON-lines file.
 
-Run it: ``python examples/quickstart.py`` writes into a temporary directory and
-removes it at the end; ``python examples/quickstart.py events.jsonl`` keeps the
+Run it: `python examples/quickstart.py` writes into a temporary directory and
+removes it at the end; `python examples/quickstart.py events.jsonl` keeps the
 file, one line per batch, one batch per step.
 """
 

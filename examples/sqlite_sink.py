@@ -1,8 +1,8 @@
 """A custom sink: every batch becomes a row of a SQLite table.
 
-Run it: ``python examples/sqlite_sink.py`` prints the rows and removes its
-temporary database; ``python examples/sqlite_sink.py events.db`` keeps it, for
-``sqlite3 events.db 'select origin, seq, events from batches'``.
+Run it: `python examples/sqlite_sink.py` prints the rows and removes its
+temporary database; `python examples/sqlite_sink.py events.db` keeps it, for
+`sqlite3 events.db 'select origin, seq, events from batches'`.
 """
 
 from __future__ import annotations

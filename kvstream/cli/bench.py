@@ -1,12 +1,12 @@
-"""``kvstream bench``: the benchmark suite, side by side with its baselines.
+"""`kvstream bench`: the benchmark suite, side by side with its baselines.
 
-Runs every benchmark of kvstream.bench (or those named with ``--only``)
+Runs every benchmark of kvstream.bench (or those named with `--only`)
 with a progress bar on stderr, prints a table (events/s, ratio to the
 baseline measured in the same run, CPU per event, p50/p99), checks the
 project's targets, and optionally writes the report as JSON and a plot of
-events/s against events per tick. ``--quick`` runs small sizes (about 50 s on a
+events/s against events per tick. `--quick` runs small sizes (about 50 s on a
 2-core machine; every run prints its own time); numbers for the record
-come from a full run. ``--check`` exits with status 1 when a target is missed.
+come from a full run. `--check` exits with status 1 when a target is missed.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kvstream.errors import ConfigError
 
 __all__ = ["QUICK_TIME", "missed_targets", "register", "run"]
 
-#: What ``kvstream bench --quick`` took, measured (see docs/benchmarks.md).
+#: What `kvstream bench --quick` took, measured (see docs/benchmarks.md).
 QUICK_TIME = "about 50 s"
 
 EXAMPLES = (

@@ -1,8 +1,8 @@
-"""``kvstream demo``: a simulated engine publishing KV cache events into sinks.
+"""`kvstream demo`: a simulated engine publishing KV cache events into sinks.
 
-Needs no server. One tick per engine step; ``--rate`` paces the steps. Without
-``--sink`` or ``--out`` the batches go to a new file in the working directory,
-named for this run (``kvstream-demo-<time>-<random>.jsonl``); the summary says
+Needs no server. One tick per engine step; `--rate` paces the steps. Without
+`--sink` or `--out` the batches go to a new file in the working directory,
+named for this run (`kvstream-demo-<time>-<random>.jsonl`); the summary says
 where and how big. On Ctrl-C or SIGTERM it stops stepping, delivers what it
 has and prints the summary.
 """

@@ -1,8 +1,8 @@
-"""``kvstream``: entry point, subcommand table and error handling.
+"""`kvstream`: entry point, subcommand table and error handling.
 
-Each subcommand lives in its own module with two functions: ``register(sub)``
-adds its parser (``sub.add_parser(...)``) and sets ``func`` to an async
-``run(args) -> int``. User mistakes (a :class:`KVStreamError`, a bad option)
+Each subcommand lives in its own module with two functions: `register(sub)`
+adds its parser (`sub.add_parser(...)`) and sets `func` to an async
+`run(args) -> int`. User mistakes (a `KVStreamError`, a bad option)
 end in one line on stderr and a non-zero exit, never a stack trace.
 """
 
@@ -21,7 +21,7 @@ import kvstream
 from kvstream.cli.configfile import apply_config, finish_args, load_config
 from kvstream.errors import KVStreamError
 
-#: Subcommand modules, in the order ``--help`` lists them.
+#: Subcommand modules, in the order `--help` lists them.
 COMMANDS: Final = (
     "kvstream.cli.bench",
     "kvstream.cli.demo",

@@ -1,11 +1,11 @@
-"""``kvstream tail``: print batches as they arrive, from any subscriber URL.
+"""`kvstream tail`: print batches as they arrive, from any subscriber URL.
 
-Works against a socket sink (``tcp://HOST:PORT``, ``unix:PATH``), a JSON-lines
-file (followed as it grows, like ``tail -f``; ``--no-follow`` stops at its
-end) and every other URL ``kvstream.subscribe`` knows (ZMQ, NATS, Redis).
+Works against a socket sink (`tcp://HOST:PORT`, `unix:PATH`), a JSON-lines
+file (followed as it grows, like `tail -f`; `--no-follow` stops at its
+end) and every other URL `kvstream.subscribe` knows (ZMQ, NATS, Redis).
 Batches go to standard output; gaps (batches that will never come) are
 warnings on standard error. An upstream that cannot be reached is retried
-with backoff (``-v`` shows every attempt; ``--no-retry`` exits at once); a
+with backoff (`-v` shows every attempt; `--no-retry` exits at once); a
 file that is not kvstream's JSON lines is refused. Ctrl-C or SIGTERM stops it.
 """
 
@@ -226,7 +226,7 @@ class TailStatistics(NamedTuple):
 
 
 class _TailCounters:
-    """What ``kvstream tail`` has seen, for ``--metrics``."""
+    """What `kvstream tail` has seen, for `--metrics`."""
 
     def __init__(self) -> None:
         self.batches = self.events = self.gaps = self.missing = 0
@@ -244,7 +244,7 @@ class _TailCounters:
 
 
 def quiet_hint(parsed: ParsedURL, seconds: float) -> str | None:
-    """Why nothing may have arrived from a ZMQ URL in ``seconds``; None for other schemes."""
+    """Why nothing may have arrived from a ZMQ URL in `seconds`; None for other schemes."""
     if not parsed.scheme.startswith("zmq"):
         return None
     endpoint = parsed.raw.split("?", 1)[0].removeprefix("zmq+")

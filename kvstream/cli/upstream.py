@@ -1,13 +1,13 @@
 """Reaching an upstream from the command line: the same behaviour on every transport.
 
-* ``open_upstream`` enters a subscriber, retrying with exponential backoff
+* `open_upstream` enters a subscriber, retrying with exponential backoff
   while its upstream cannot be reached: one clear line on the first failure,
-  every attempt logged (``-v`` shows them), ``retry=False`` (``--no-retry``)
+  every attempt logged (`-v` shows them), `retry=False` (`--no-retry`)
   raises at once. Once connected, the subscriber's own reconnect rules apply
-  (a socket subscriber resumes after a drop unless ``--no-retry``).
-* ``refuse_foreign_file`` refuses, with one line, a file whose first line is not
+  (a socket subscriber resumes after a drop unless `--no-retry`).
+* `refuse_foreign_file` refuses, with one line, a file whose first line is not
   a kvstream batch, instead of skipping every line of it.
-* ``bind_rule`` says whether a ZMQ URL binds or connects, and why, for banners
+* `bind_rule` says whether a ZMQ URL binds or connects, and why, for banners
   and for the "nothing arrived" hint.
 """
 
@@ -31,7 +31,7 @@ __all__ = ["RETRY_INITIAL", "RETRY_MAX", "bind_rule", "open_upstream", "refuse_f
 
 log = logging.getLogger("kvstream.cli")
 
-#: Seconds before the second attempt; doubled per failure up to ``RETRY_MAX``.
+#: Seconds before the second attempt; doubled per failure up to `RETRY_MAX`.
 RETRY_INITIAL: Final = 0.5
 RETRY_MAX: Final = 5.0
 #: How much of a file is read to find its first line.
@@ -48,13 +48,13 @@ async def open_upstream(
     initial: float = RETRY_INITIAL,
     maximum: float = RETRY_MAX,
 ) -> AsyncIterator[Subscriber]:
-    """Enter the subscriber ``make()`` builds, retrying while ``url`` is unreachable.
+    """Enter the subscriber `make()` builds, retrying while `url` is unreachable.
 
-    ``make`` is called once per attempt (a subscriber is entered once). A
-    :class:`~kvstream.errors.TransportError` on entering is retried after
-    ``initial`` seconds, doubling up to ``maximum``, unless the peer answered and
+    `make` is called once per attempt (a subscriber is entered once). A
+    [`TransportError`][kvstream.errors.TransportError] on entering is retried after
+    `initial` seconds, doubling up to `maximum`, unless the peer answered and
     refused (its cause is a kvstream error); any other error, and every failure
-    when ``retry`` is false, propagates.
+    when `retry` is false, propagates.
     """
     attempt = 0
     while True:
@@ -87,10 +87,10 @@ async def open_upstream(
 
 
 def refuse_foreign_file(path: str) -> None:
-    """Raise :class:`~kvstream.errors.DecodeError` unless ``path`` starts with a kvstream batch.
+    """Raise `DecodeError` unless `path` starts with a kvstream batch.
 
     An empty file passes (it may still be written). A missing file raises
-    :class:`~kvstream.errors.TransportError`.
+    [`TransportError`][kvstream.errors.TransportError].
     """
     try:
         with Path(path).open("rb") as f:
@@ -109,7 +109,7 @@ def refuse_foreign_file(path: str) -> None:
 
 
 def bind_rule(endpoint: str, bind: bool | None = None) -> str:
-    """``"binds"`` or ``"connects"``, with the reason, for a ZMQ endpoint."""
+    """`"binds"` or `"connects"`, with the reason, for a ZMQ endpoint."""
     if bind is not None:
         return "binds (bind=1)" if bind else "connects (bind=0)"
     if should_bind(endpoint):

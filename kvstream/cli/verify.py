@@ -44,7 +44,7 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "paths",
+        "path",
         nargs="+",
         metavar="PATH",
         help="JSON-lines files (file sink, tail, relay) or globs",
@@ -131,7 +131,7 @@ def _verify_one(path: str, data: bytes, joined_late: bool) -> bool:
 
 
 async def run(args: argparse.Namespace) -> int:
-    paths = expand_paths(args.paths)
+    paths = expand_paths(args.path)
     ok = True
     for path in paths:
         try:

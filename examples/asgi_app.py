@@ -12,7 +12,7 @@ last batches and wakes the server-sent-events listeners. Endpoints:
 
 Run it:
 
-    pip install 'kvstream[examples]'
+    pip install 'kvstream-events[examples]'      # from a checkout: pip install '.[examples]'
     uvicorn asgi_app:app --app-dir examples --timeout-graceful-shutdown 1
     curl -N http://127.0.0.1:8000/events
 """

@@ -1,18 +1,18 @@
 """kvstream inside a web service (Starlette, any ASGI server).
 
-The app's lifespan starts a :class:`~kvstream.Scheduler`; a background task
+The app's lifespan starts a [`Scheduler`][kvstream.scheduler.Scheduler]; a background task
 steps a simulated engine and ticks once per step; a small custom sink keeps the
 last batches and wakes the server-sent-events listeners. Endpoints:
 
-* ``GET /batches?limit=N`` -- the last N batches, as JSON lines;
-* ``GET /events`` -- server-sent events, one ``batch`` event per batch
-  (``id`` is ``origin/epoch/seq``; ``data`` is the batch's JSON line);
-* ``GET /stats`` -- the scheduler's and sinks' statistics, as JSON;
-* ``GET /metrics`` -- the same as Prometheus metrics.
+* `GET /batches?limit=N` -- the last N batches, as JSON lines;
+* `GET /events` -- server-sent events, one `batch` event per batch
+  (`id` is `origin/epoch/seq`; `data` is the batch's JSON line);
+* `GET /stats` -- the scheduler's and sinks' statistics, as JSON;
+* `GET /metrics` -- the same as Prometheus metrics.
 
-Run it::
+Run it:
 
-    pip install 'kvstream[examples]'
+    pip install 'kvstream-events[examples]'      # from a checkout: pip install '.[examples]'
     uvicorn asgi_app:app --app-dir examples --timeout-graceful-shutdown 1
     curl -N http://127.0.0.1:8000/events
 """
@@ -38,7 +38,7 @@ from kvstream.sim import SimulatedEngine
 
 # --8<-- [start:sink]
 class RecentBatches(Sink):
-    """Keeps the last ``keep`` batches (as JSON lines) and wakes whoever waits for more."""
+    """Keeps the last `keep` batches (as JSON lines) and wakes whoever waits for more."""
 
     def __init__(self, keep: int = 256, **options: Any) -> None:
         options.setdefault("codec", JsonCodec())
@@ -55,7 +55,7 @@ class RecentBatches(Sink):
         self._more = anyio.Event()
 
     async def follow(self) -> AsyncGenerator[tuple[str, bytes]]:
-        """Every batch from now on; a listener that falls ``keep`` behind skips ahead."""
+        """Every batch from now on; a listener that falls `keep` behind skips ahead."""
         seen = self.count
         while True:
             while seen == self.count:
@@ -84,7 +84,7 @@ async def run_engine(engine: SimulatedEngine, kv: Scheduler, steps_per_second: f
 def create_app(
     *, sinks: Sequence[Sink] = (), steps_per_second: float = 20.0, seed: int = 0
 ) -> Starlette:
-    """The app; ``sinks`` are added to the scheduler beside the built-in one."""
+    """The app; `sinks` are added to the scheduler beside the built-in one."""
     registry = CollectorRegistry(auto_describe=False)
     collector = StatisticsCollector()
     registry.register(collector)

@@ -1,12 +1,15 @@
 """Quickstart: an engine's step loop publishing KV cache events to a JSON-lines file.
 
-Run it (``python examples/quickstart.py``), then look at ``events.jsonl``: one
-line per batch, one batch per step.
+Run it: `python examples/quickstart.py` writes into a temporary directory and
+removes it at the end; `python examples/quickstart.py events.jsonl` keeps the
+file, one line per batch, one batch per step.
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
+from pathlib import Path
 
 import anyio
 
@@ -14,7 +17,6 @@ from kvstream import BlockRemoved, BlockStored, FileSink, Scheduler
 
 
 async def main(path: str = "events.jsonl") -> None:
-    # --8<-- [start:pipeline]
     async with Scheduler(sinks=[FileSink(path)], origin="engine-0") as kv:
         parent = None
         for step in range(3):
@@ -36,8 +38,12 @@ async def main(path: str = "events.jsonl") -> None:
             assert batch is not None
             print(f"batch seq={batch.seq} epoch={batch.epoch} events={len(batch.events)}")
     # Leaving the block delivered every batch to every sink.
-    # --8<-- [end:pipeline]
 
 
 if __name__ == "__main__":
-    anyio.run(main, sys.argv[1] if len(sys.argv) > 1 else "events.jsonl")
+    if len(sys.argv) > 1:
+        anyio.run(main, sys.argv[1])
+        print(f"wrote {sys.argv[1]}")
+    else:
+        with tempfile.TemporaryDirectory() as scratch:
+            anyio.run(main, str(Path(scratch) / "events.jsonl"))

@@ -1,13 +1,15 @@
 """A custom sink: every batch becomes a row of a SQLite table.
 
-Run it (``python examples/sqlite_sink.py``), then
-``sqlite3 events.db 'select origin, seq, events from batches'``.
+Run it: `python examples/sqlite_sink.py` prints the rows and removes its
+temporary database; `python examples/sqlite_sink.py events.db` keeps it, for
+`sqlite3 events.db 'select origin, seq, events from batches'`.
 """
 
 from __future__ import annotations
 
 import sqlite3
 import sys
+import tempfile
 from contextlib import closing
 from typing import Any
 
@@ -20,7 +22,6 @@ SCHEMA = """CREATE TABLE IF NOT EXISTS batches (
     PRIMARY KEY (origin, epoch, seq))"""
 
 
-# --8<-- [start:sink]
 class SQLiteSink(Sink):
     """Every batch as one row: (origin, epoch, seq, number of events, its JSON line)."""
 
@@ -45,11 +46,7 @@ class SQLiteSink(Sink):
             self.db.close()
 
 
-# --8<-- [end:sink]
-
-
 async def main(path: str = "events.db") -> list[tuple[Any, ...]]:
-    # --8<-- [start:use]
     async with Scheduler(sinks=[SQLiteSink(path)], origin="engine-0") as kv:
         for step in range(5):
             kv.emit(
@@ -62,7 +59,6 @@ async def main(path: str = "events.db") -> list[tuple[Any, ...]]:
                 )
             )
             await kv.tick()
-    # --8<-- [end:use]
     with closing(sqlite3.connect(path)) as db:
         rows = db.execute("SELECT origin, seq, events FROM batches ORDER BY seq").fetchall()
     for row in rows:
@@ -71,4 +67,8 @@ async def main(path: str = "events.db") -> list[tuple[Any, ...]]:
 
 
 if __name__ == "__main__":
-    anyio.run(main, sys.argv[1] if len(sys.argv) > 1 else "events.db")
+    if len(sys.argv) > 1:
+        anyio.run(main, sys.argv[1])
+    else:
+        with tempfile.TemporaryDirectory() as scratch:
+            anyio.run(main, f"{scratch}/events.db")

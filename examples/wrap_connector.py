@@ -1,16 +1,16 @@
-"""Wrap your connector: a vLLM-style ``take_events()`` connector and an async one.
+"""Wrap your connector: a vLLM-style `take_events()` connector and an async one.
 
 A KV connector (CPU offload, a remote KV store) learns about blocks the cache
 manager never sees. kvstream takes its events in either of two shapes:
 
-* a synchronous connector with ``take_events()``, as vLLM's connectors have:
-  adapt it with :func:`kvstream.from_take_events`; the scheduler polls it at
+* a synchronous connector with `take_events()`, as vLLM's connectors have:
+  adapt it with `kvstream.from_take_events()`; the scheduler polls it at
   every tick, so what it recorded during a step is in that step's batch;
 * an async generator, for a connector whose work is asynchronous (copies,
   network writes): each event is accepted the moment it is yielded and is in
   the batch of the next tick.
 
-Run it: ``python examples/wrap_connector.py``.
+Run it: `python examples/wrap_connector.py`.
 """
 
 from __future__ import annotations

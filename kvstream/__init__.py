@@ -39,7 +39,7 @@ from kvstream.sources import SourceHandle, SourceStatistics, from_take_events
 from kvstream.threadsafe import ThreadsafeHandle, run_in_thread
 
 try:
-    __version__ = version("kvstream")
+    __version__ = version("kvstream-events")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 

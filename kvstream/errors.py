@@ -1,9 +1,9 @@
 """The exceptions kvstream raises.
 
-Every error kvstream raises on purpose derives from :class:`KVStreamError`, so
-``except KVStreamError`` catches them all. Where a built-in category fits, the
+Every error kvstream raises on purpose derives from `KVStreamError`, so
+`except KVStreamError` catches them all. Where a built-in category fits, the
 error is also an instance of it, so code written against plain Python keeps
-working::
+working:
 
     KVStreamError
     ├── InvalidEventError (ValueError)     an event or batch failed validation
@@ -11,12 +11,12 @@ working::
     ├── DecodeError (ValueError)           bytes that do not decode to a valid batch
     ├── ConfigError (ValueError)           a bad URL, option or configuration value
     ├── MissingDependencyError (ImportError)   an optional extra is not installed
-    ├── ClosedError (RuntimeError)         the object was used after ``aclose()``
+    ├── ClosedError (RuntimeError)         the object was used after `aclose()`
     └── TransportError (OSError)           a sink or source cannot reach its peer
 
 Messages name the field, the value and what was expected. Foreign errors
-(``OSError``, ``zmq.ZMQError``, ...) are translated at the boundary with
-``raise ... from exc`` so the original stays attached.
+(`OSError`, `zmq.ZMQError`, ...) are translated at the boundary with
+`raise ... from exc` so the original stays attached.
 """
 
 from __future__ import annotations
@@ -58,7 +58,9 @@ class MissingDependencyError(KVStreamError, ImportError):
 
     @classmethod
     def for_extra(cls, module: str, extra: str, exc: ImportError) -> MissingDependencyError:
-        err = cls(f"{module} is not installed; install it with: pip install 'kvstream[{extra}]'")
+        err = cls(
+            f"{module} is not installed; install it with: pip install 'kvstream-events[{extra}]'"
+        )
         err.__cause__ = exc
         return err
 

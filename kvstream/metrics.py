@@ -21,7 +21,7 @@ transport record (its other ``*_statistics()`` methods: the socket sink's
 any other target are exported by one rule (:func:`metric_for_field`): integers
 are counters unless the name says they are a level.
 
-Needs the ``metrics`` extra (``pip install 'kvstream[metrics]'``).
+Needs the ``metrics`` extra (``pip install 'kvstream-events[metrics]'``).
 """
 
 from __future__ import annotations

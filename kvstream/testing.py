@@ -1,14 +1,14 @@
 """Test doubles and fault injection for pipelines built on kvstream.
 
-* :class:`SeededEvents`: a deterministic event stream. Event ``i`` is a pure
-  function of ``(seed, i)``, so a consumer checks millions of events against
+* `SeededEvents`: a deterministic event stream. Event `i` is a pure
+  function of `(seed, i)`, so a consumer checks millions of events against
   the stream by *regenerating* them, never holding them in memory.
-* :class:`StreamVerifier`: the consumer's side of that check: every batch in
+* `StreamVerifier`: the consumer's side of that check: every batch in
   order, every sequence number once, every event equal to the regenerated one,
-  and the gaps (what a ``drop_*`` policy dropped) counted.
-* :class:`FaultySink`: a sink whose faults the test controls: it fails on
+  and the gaps (what a `drop_*` policy dropped) counted.
+* [`FaultySink`][kvstream.testing.FaultySink]: a sink whose faults the test controls: it fails on
   send or close, stalls until released, or never answers.
-* :func:`raising_source`, :func:`hanging_source`, :func:`garbage_source`:
+* `raising_source()`, `hanging_source()`, `garbage_source()`:
   async sources that misbehave in the ways a real connector can.
 
 Nothing here is used by kvstream itself; it is public so that applications can
@@ -41,7 +41,7 @@ _MASK: Final = (1 << 64) - 1
 
 
 def _mix(x: int) -> int:
-    """splitmix64's finaliser: a cheap, well-spread 64-bit hash of ``x``."""
+    """splitmix64's finaliser: a cheap, well-spread 64-bit hash of `x`."""
     x = (x + 0x9E3779B97F4A7C15) & _MASK
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
@@ -49,11 +49,11 @@ def _mix(x: int) -> int:
 
 
 class SeededEvents:
-    """A reproducible stream of events: ``event(i)`` depends only on the seed and ``i``.
+    """A reproducible stream of events: `event(i)` depends only on the seed and `i`.
 
-    Mostly ``BlockStored`` (1 to ``max_blocks`` chained blocks of ``block_size``
+    Mostly `BlockStored` (1 to `max_blocks` chained blocks of `block_size`
     tokens, now and then with a LoRA name, a raw-bytes hash or metadata), some
-    ``BlockRemoved`` and, rarely, ``AllBlocksCleared``: every field kind the
+    `BlockRemoved` and, rarely, `AllBlocksCleared`: every field kind the
     codecs carry, at a cost low enough to make millions of them.
     """
 
@@ -67,7 +67,7 @@ class SeededEvents:
         self.max_blocks = max_blocks
 
     def event(self, index: int) -> KVCacheEvent:
-        """The event at position ``index`` of the stream."""
+        """The event at position `index` of the stream."""
         x = _mix(self.seed * 0x100000001B3 + index)
         kind = x & 0xFF
         n = 1 + (x >> 8) % self.max_blocks
@@ -94,12 +94,12 @@ class SeededEvents:
         )
 
     def events(self, start: int, stop: int) -> list[KVCacheEvent]:
-        """Events ``start`` to ``stop - 1``."""
+        """Events `start` to `stop - 1`."""
         event = self.event
         return [event(i) for i in range(start, stop)]
 
     def chunks(self, total: int, size: int, start: int = 0) -> Iterator[list[KVCacheEvent]]:
-        """``total`` events from ``start``, in lists of ``size`` (the last may be shorter)."""
+        """`total` events from `start`, in lists of `size` (the last may be shorter)."""
         for first in range(start, start + total, size):
             yield self.events(first, min(first + size, start + total))
 
@@ -109,14 +109,14 @@ class VerificationError(AssertionError):
 
 
 class StreamVerifier:
-    """Checks received batches of one origin against a :class:`SeededEvents` stream.
+    """Checks received batches of one origin against a `SeededEvents` stream.
 
-    With ``events_per_batch`` set (the producer sealed exactly that many events
-    per tick), batch ``seq`` holds events ``[seq * n, (seq + 1) * n)``, so a
+    With `events_per_batch` set (the producer sealed exactly that many events
+    per tick), batch `seq` holds events `[seq * n, (seq + 1) * n)`, so a
     gap left by a drop policy is counted and checking resumes after it.
-    Without it the events must arrive contiguously (policy ``block``), and a
+    Without it the events must arrive contiguously (policy `block`), and a
     gap is an error. Either way a duplicate or reordered batch, or any event
-    that differs from the regenerated one, raises :class:`VerificationError`.
+    that differs from the regenerated one, raises `VerificationError`.
     """
 
     def __init__(
@@ -182,15 +182,15 @@ class StreamVerifier:
 class FaultySink(Sink):
     """A sink whose faults the test controls.
 
-    * ``fail_sends=n``: the next ``n`` sends raise :class:`TransportError`
-      (the base class retries them with backoff); :meth:`fail_next` adds more.
-    * :meth:`stall` / :meth:`release`: sends wait at a gate; :meth:`wait_stalled`
+    * `fail_sends=n`: the next `n` sends raise `TransportError`
+      (the base class retries them with backoff); `fail_next()` adds more.
+    * `stall()` / `release()`: sends wait at a gate; `wait_stalled()`
       returns once a send is provably waiting there.
-    * ``hang=True``: sends never return (until cancelled by a close deadline).
-    * ``fail_close=True``: :meth:`aclose` raises after the base class closed.
+    * `hang=True`: sends never return (until cancelled by a close deadline).
+    * `fail_close=True`: `aclose()` raises after the base class closed.
 
-    Delivered batches are passed to ``on_batch`` when given, else kept in
-    :attr:`batches` (``keep=False`` keeps none).
+    Delivered batches are passed to `on_batch` when given, else kept in
+    `batches` (`keep=False` keeps none).
     """
 
     def __init__(
@@ -217,11 +217,11 @@ class FaultySink(Sink):
         self._stalled = anyio.Event()
 
     def fail_next(self, n: int) -> None:
-        """Make the next ``n`` sends raise."""
+        """Make the next `n` sends raise."""
         self._fail += n
 
     def stall(self) -> None:
-        """Hold every send at a gate until :meth:`release`."""
+        """Hold every send at a gate until `release()`."""
         if self._gate is None:
             self._gate = anyio.Event()
             self._stalled = anyio.Event()
@@ -264,7 +264,7 @@ class FaultySink(Sink):
 async def raising_source(
     chunks: Iterable[list[KVCacheEvent]], exc: BaseException
 ) -> AsyncIterator[list[KVCacheEvent]]:
-    """Yield ``chunks``, then raise ``exc``: a connector that crashes."""
+    """Yield `chunks`, then raise `exc`: a connector that crashes."""
     for chunk in chunks:
         yield chunk
         await anyio.lowlevel.checkpoint()
@@ -274,7 +274,7 @@ async def raising_source(
 async def hanging_source(
     chunks: Iterable[list[KVCacheEvent]], hung: anyio.Event | None = None
 ) -> AsyncIterator[list[KVCacheEvent]]:
-    """Yield ``chunks``, then never yield again (set ``hung`` when it gets there)."""
+    """Yield `chunks`, then never yield again (set `hung` when it gets there)."""
     for chunk in chunks:
         yield chunk
     if hung is not None:
@@ -285,7 +285,7 @@ async def hanging_source(
 async def garbage_source(
     chunks: Iterable[list[KVCacheEvent]], garbage: object
 ) -> AsyncIterator[Any]:
-    """Yield ``chunks``, then ``garbage`` (not an event): a connector returning junk."""
+    """Yield `chunks`, then `garbage` (not an event): a connector returning junk."""
     for chunk in chunks:
         yield chunk
     yield garbage

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from kvstream import JsonCodec
 from kvstream.cli.main import main
@@ -88,3 +92,117 @@ def test_user_mistakes_are_one_line_errors(tmp_path: Path) -> None:
         assert needle in proc.stderr
         assert "Traceback" not in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_every_demo_run_writes_its_own_file_and_says_where_and_how_big(tmp_path: Path) -> None:
+    runs = [_run("demo", "--steps", "20", "--rate", "0", cwd=tmp_path) for _ in range(2)]
+    files = sorted(tmp_path.glob("kvstream-demo-*.jsonl"))
+    assert len(files) == 2  # never two runs appended into one file
+    for proc in runs:
+        assert proc.returncode == 0, proc.stderr
+        wrote = [line for line in proc.stderr.splitlines() if " wrote " in line]
+        assert len(wrote) == 1
+        name = wrote[0].split(" to ")[1].split()[0]
+        size = (tmp_path / name).stat().st_size
+        assert f"{size / 1000:,.1f} kB" in wrote[0] or f"{size / 1e6:,.1f} MB" in wrote[0]
+    for f in files:
+        assert [b.seq for b in JsonCodec().decode_lines(f.read_bytes())] == list(range(20))
+
+
+def test_demo_out_replaces_the_file_it_names(tmp_path: Path) -> None:
+    out = tmp_path / "demo.jsonl"
+    out.write_text("an earlier run\n")
+    proc = _run("demo", "--steps", "10", "--rate", "0", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert [b.seq for b in JsonCodec().decode_lines(out.read_bytes())] == list(range(10))
+    assert list(tmp_path.iterdir()) == [out]  # and no default file beside it
+    with_sink = _run("demo", "--steps", "5", "--rate", "0", "--sink", "memory:", cwd=tmp_path)
+    assert with_sink.returncode == 0, with_sink.stderr
+    assert list(tmp_path.iterdir()) == [out]  # --sink alone writes no file
+
+
+def _recording(tmp_path: Path, steps: int = 60) -> list[bytes]:
+    src = tmp_path / "full.jsonl"
+    assert main(["demo", "--steps", str(steps), "--rate", "0", "--out", str(src)]) == 0
+    return src.read_bytes().splitlines(keepends=True)
+
+
+def test_verify_takes_several_files_and_quoted_globs(tmp_path: Path) -> None:
+    lines = _recording(tmp_path)
+    (tmp_path / "a.jsonl").write_bytes(b"".join(lines))
+    (tmp_path / "b.jsonl").write_bytes(b"".join(lines[:5] + lines[6:]))  # one batch lost
+    proc = _run("verify", str(tmp_path / "full.jsonl"), str(tmp_path / "[ab].jsonl"), cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stdout.count(": OK: ") == 2
+    assert "b.jsonl: INCONSISTENT" in proc.stderr
+    assert "expected seq 5" in proc.stderr
+    nothing = _run("verify", str(tmp_path / "nope-*.jsonl"), cwd=tmp_path)
+    assert nothing.returncode == 2
+    assert "no file matches" in nothing.stderr
+
+
+def test_verify_judges_a_late_join_from_its_first_batch(tmp_path: Path) -> None:
+    lines = _recording(tmp_path)
+    late = tmp_path / "tail.jsonl"  # what `kvstream tail` records after joining at seq 25
+    late.write_bytes(b"".join(lines[25:]))
+    proc = _run("verify", str(late), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "OK: 35 batches" in proc.stdout
+    # A relay that joined late numbers its own batches from 0: only --joined-late knows.
+    codec = JsonCodec()
+    relayed = [codec.decode(line) for line in lines[25:]]
+    relay = tmp_path / "relay.jsonl"
+    relay.write_bytes(
+        b"".join(
+            codec.encode(type(b)(**{**codec.batch_to_dict(b), "seq": i, "events": b.events}))
+            for i, b in enumerate(relayed)
+        )
+    )
+    plain = _run("verify", str(relay), cwd=tmp_path)
+    assert plain.returncode == 1
+    assert "INCONSISTENT" in plain.stderr
+    assert "--joined-late" in plain.stderr
+    late_ok = _run("verify", "--joined-late", str(relay), cwd=tmp_path)
+    assert late_ok.returncode == 0, late_ok.stderr
+    # Still strict after the start: a lost batch in the middle is caught.
+    broken = tmp_path / "broken.jsonl"
+    broken.write_bytes(b"".join(lines[25:30] + lines[31:]))
+    assert _run("verify", "--joined-late", str(broken), cwd=tmp_path).returncode == 1
+
+
+def test_demo_banner_says_whether_each_zmq_endpoint_binds_or_connects(tmp_path: Path) -> None:
+    pytest.importorskip("zmq")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "kvstream", "demo", "--steps", "0", "--rate", "20",
+         "--sink", f"zmq+tcp://127.0.0.1:{port}", "--sink", "zmq+tcp://*:0?replay=tcp://*:0"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    assert demo.stderr is not None
+    lines: list[str] = []
+    try:
+        for line in demo.stderr:
+            lines.append(line)
+            if "nobody has subscribed" in line and f":{port}" in line:
+                break
+    finally:
+        demo.send_signal(signal.SIGTERM)
+        _, rest = demo.communicate(timeout=60)
+    text = "".join(lines) + rest
+    assert demo.returncode == 0, text
+    assert f"tcp://127.0.0.1:{port} connects (no '*' in the endpoint" in text
+    assert "tcp://0.0.0.0:" in text  # the bound port, resolved
+    assert "binds: subscribers connect to it" in text
+    assert "; replay tcp://" in text
+    assert " binds" in text
+    hint = [
+        line
+        for line in text.splitlines()
+        if f"nobody has subscribed to tcp://127.0.0.1:{port}" in line
+    ]
+    assert len(hint) == 1  # once
+    assert "a subscriber there must bind" in hint[0]
+    assert f"tcp://127.0.0.1:{port} never had a subscriber" in text

@@ -35,9 +35,9 @@ def load(name: str) -> ModuleType:
     return module
 
 
-def run_script(name: str, cwd: Path) -> str:
+def run_script(name: str, cwd: Path, *args: str) -> str:
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / f"{name}.py")],
+        [sys.executable, str(EXAMPLES / f"{name}.py"), *args],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -53,9 +53,16 @@ def test_every_example_has_a_test() -> None:
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 
-def test_quickstart_writes_one_line_per_step(tmp_path: Path) -> None:
+def test_quickstart_leaves_nothing_behind_without_a_path(tmp_path: Path) -> None:
     out = run_script("quickstart", tmp_path)
     assert out.count("batch seq=") == 3
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_quickstart_writes_one_line_per_step(tmp_path: Path) -> None:
+    out = run_script("quickstart", tmp_path, "events.jsonl")
+    assert out.count("batch seq=") == 3
+    assert "wrote events.jsonl" in out
     batches = JsonCodec().decode_lines((tmp_path / "events.jsonl").read_bytes())
     assert [b.seq for b in batches] == [0, 1, 2]
     assert [len(b.events) for b in batches] == [1, 1, 2]
@@ -75,9 +82,16 @@ async def test_sqlite_sink_stores_every_batch(tmp_path: Path) -> None:
     assert isinstance(batch.events[0], BlockStored)
 
 
-def test_sqlite_sink_runs_as_a_script(tmp_path: Path) -> None:
+def test_sqlite_sink_runs_as_a_script_and_leaves_nothing_behind(tmp_path: Path) -> None:
     out = run_script("sqlite_sink", tmp_path)
     assert out.splitlines() == [f"engine-0 {seq} 1" for seq in range(5)]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sqlite_sink_keeps_the_database_it_is_given(tmp_path: Path) -> None:
+    run_script("sqlite_sink", tmp_path, "kept.db")
+    with closing(sqlite3.connect(tmp_path / "kept.db")) as db:
+        assert db.execute("SELECT count(*) FROM batches").fetchone() == (5,)
 
 
 async def test_wrapped_connectors_join_the_step_batch() -> None:

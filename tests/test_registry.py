@@ -131,7 +131,7 @@ def test_a_passed_in_factory_adds_a_scheme_and_takes_its_options(tmp_path: Path)
 
 def test_a_missing_extra_names_the_install_command() -> None:
     entry = _Entry("kvstream_no_such_module:factory", "zmq")
-    with pytest.raises(MissingDependencyError, match=r"pip install '.*\[zmq\]'"):
+    with pytest.raises(MissingDependencyError, match=r"pip install 'kvstream-events\[zmq\]'"):
         entry.load("sink", "fancy")
 
 

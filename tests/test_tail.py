@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import subprocess
@@ -201,6 +202,14 @@ async def test_demo_serves_tail_a_snapshot_then_live_batches(tmp_path: Path) -> 
         assert isinstance(batches[0].events[0], AllBlocksCleared)
         check_consistency(batches, start_seq=None)  # the snapshot, then every batch after it
         assert [b.seq for b in batches] == list(range(batches[0].seq, batches[0].seq + 15))
+        # kvstream verify reads the recording as it is, snapshot line included.
+        recording = tmp_path / "tail.jsonl"
+        recording.write_text(out)
+        verify = await anyio.run_process(
+            [sys.executable, "-m", "kvstream", "verify", str(recording)], check=False
+        )
+        assert verify.returncode == 0, verify.stderr
+        assert b"OK: 15 batches" in verify.stdout
     finally:
         demo.send_signal(signal.SIGTERM)
         with anyio.fail_after(DEADLINE):
@@ -214,3 +223,101 @@ def test_tail_help_lists_the_formats(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         main(["tail", "--help"])
     assert "--format {pretty,json}" in capsys.readouterr().out
+
+
+# -- unreachable upstreams, foreign files, silent ZMQ ----------------------------------------
+
+
+def closed_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    return free_port()
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "unix"])
+async def test_tail_no_retry_exits_at_once_with_one_line(tmp_path: Path, scheme: str) -> None:
+    url = f"tcp://127.0.0.1:{closed_port()}" if scheme == "tcp" else f"unix:{tmp_path / 'no.sock'}"
+    code, out, err = await run_tail(url, "--no-retry")
+    assert code == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+
+
+async def test_tail_retries_an_unreachable_socket_until_it_comes_up() -> None:
+    port = closed_port()
+    tail = await anyio.open_process(
+        [sys.executable, "-m", "kvstream", "-v", "tail", f"tcp://127.0.0.1:{port}", "--count", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert tail.stderr is not None
+        seen = await read_stderr_until(tail, b"attempt 2 failed")  # each attempt, with -v
+        assert seen.count(b"retrying with backoff") == 1  # the clear line, once
+        sink = SocketSink(host="127.0.0.1", port=port)
+        async with Scheduler(sinks=[sink], origin="late") as s:
+            with anyio.fail_after(DEADLINE):
+                while not sink.server_statistics().subscribers:
+                    s.emit(BlockRemoved(block_hashes=[1], medium="GPU"))
+                    await s.tick()
+                    await anyio.sleep(0.1)
+                s.emit(BlockRemoved(block_hashes=[2], medium="GPU"))
+                await s.tick()
+                await tail.wait()
+        assert tail.returncode == 0
+        assert tail.stdout is not None
+        assert b"late #" in await tail.stdout.receive()
+    finally:
+        if tail.returncode is None:
+            tail.kill()
+            await tail.wait()
+        await tail.aclose()
+
+
+async def test_tail_refuses_a_file_that_is_not_kvstream_json_lines(tmp_path: Path) -> None:
+    foreign = tmp_path / "notes.txt"
+    foreign.write_text("hello\nworld\n" * 50)
+    for args in ([str(foreign)], [str(foreign), "--no-follow"]):
+        code, out, err = await run_tail(*args)
+        assert code == 2
+        assert out == ""
+        assert err.strip().splitlines() == [
+            f"kvstream tail: error: {foreign}: not a kvstream JSON-lines file "
+            "(its first line is not a batch: not a JSON line: unexpected character, "
+            "expected a JSON value: line 1 column 1 (char 0))"
+        ]
+
+
+async def read_stderr_until(process: Any, needle: bytes) -> bytes:
+    """What ``process`` wrote on stderr up to and including ``needle``."""
+    seen = b""
+    with anyio.fail_after(DEADLINE):
+        while needle not in seen:
+            seen += await process.stderr.receive()
+    return seen
+
+
+async def test_tail_says_once_why_a_connecting_zmq_end_may_hear_nothing() -> None:
+    pytest.importorskip("zmq")
+    # Both ends connect (nobody binds the port): nothing can arrive, and tail says why.
+    tail = await anyio.open_process(
+        [sys.executable, "-m", "kvstream", "tail", f"zmq+tcp://127.0.0.1:{closed_port()}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        seen = await read_stderr_until(tail, b"bind one end")
+        assert b"nothing received from tcp://127.0.0.1:" in seen
+        assert b"this end connects" in seen
+    finally:
+        tail.send_signal(signal.SIGTERM)
+        with anyio.fail_after(DEADLINE):
+            await tail.wait()
+        assert tail.stderr is not None
+        rest = b""
+        with contextlib.suppress(anyio.EndOfStream, anyio.ClosedResourceError):
+            while True:
+                rest += await tail.stderr.receive()
+        await tail.aclose()
+    assert (seen + rest).count(b"nothing received") == 1  # once
+    assert tail.returncode == 0

@@ -1,9 +1,9 @@
-"""MkDocs hook: the CLI reference shows the real ``--help`` of every command.
+"""MkDocs hook: the CLI reference shows the real `--help` of every command.
 
-``<!-- kvstream-help -->`` in a page becomes ``kvstream --help``;
-``<!-- kvstream-help demo -->`` becomes ``kvstream demo --help``; and
-``<!-- kvstream-help-all -->`` becomes a section per command listed in
-``kvstream.cli.main.COMMANDS``, so a new command is documented the moment it
+`<!-- kvstream-help -->` in a page becomes `kvstream --help`;
+`<!-- kvstream-help demo -->` becomes `kvstream demo --help`; and
+`<!-- kvstream-help-all -->` becomes a section per command listed in
+`kvstream.cli.main.COMMANDS`, so a new command is documented the moment it
 is registered, and no help text in the docs can go stale.
 """
 

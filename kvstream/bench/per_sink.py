@@ -240,7 +240,7 @@ async def bench_sinks(
                 else:
                     setups[name] = _socket_case(name, folder, probe)
             elif name == "zmq":
-                why = _module_missing("zmq")  # pyzmq, the extra kvstream[zmq]
+                why = _module_missing("zmq")  # pyzmq, the extra kvstream-events[zmq]
                 if why:
                     missing[name] = why
                 else:

@@ -1,8 +1,8 @@
-"""The ``kvstream`` command line. The only place that starts an event loop.
+"""The `kvstream` command line. The only place that starts an event loop.
 
 Helpers other commands share are re-exported here:
-:func:`zmq_sink_from_kv_events_config` and :func:`add_kv_events_config_option`
-(vLLM's ``--kv-events-config`` JSON as a ZMQ sink).
+`zmq_sink_from_kv_events_config()` and `add_kv_events_config_option()`
+(vLLM's `--kv-events-config` JSON as a ZMQ sink).
 """
 
 from kvstream.cli.kv_events import add_kv_events_config_option, zmq_sink_from_kv_events_config

@@ -1,11 +1,12 @@
-"""``kvstream bench``: the benchmark suite, side by side with its baselines.
+"""`kvstream bench`: the benchmark suite, side by side with its baselines.
 
-Runs every benchmark of kvstream.bench (or those named with ``--only``)
+Runs every benchmark of kvstream.bench (or those named with `--only`)
 with a progress bar on stderr, prints a table (events/s, ratio to the
 baseline measured in the same run, CPU per event, p50/p99), checks the
 project's targets, and optionally writes the report as JSON and a plot of
-events/s against events per tick. ``--quick`` runs small sizes in under a
-minute; numbers for the record come from a full run.
+events/s against events per tick. `--quick` runs small sizes (about 50 s on a
+2-core machine; every run prints its own time); numbers for the record
+come from a full run. `--check` exits with status 1 when a target is missed.
 """
 
 from __future__ import annotations
@@ -23,12 +24,16 @@ from kvstream.bench.sizes import FULL, QUICK, TINY, Sizes
 from kvstream.bench.suite import BENCHMARKS, run_suite
 from kvstream.errors import ConfigError
 
-__all__ = ["register", "run"]
+__all__ = ["QUICK_TIME", "missed_targets", "register", "run"]
+
+#: What `kvstream bench --quick` took, measured (see docs/benchmarks.md).
+QUICK_TIME = "about 50 s"
 
 EXAMPLES = (
-    """\
+    f"""\
 examples:
-  kvstream bench --quick                        every benchmark, small sizes (< 1 minute)
+  kvstream bench --quick                        every benchmark, small sizes ({QUICK_TIME})
+  kvstream bench --quick --check                exit status 1 when a target is missed
   kvstream bench --json bench.json --plot bench.png
   kvstream bench --only efficiency --only zmq   two benchmarks, full size
   kvstream bench --only sinks --sink tcp --sink zmq --runs 3
@@ -51,7 +56,12 @@ def register(sub: Any) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--quick", action="store_true", help="small sizes: under a minute")
+    p.add_argument(
+        "--quick", action="store_true", help=f"small sizes ({QUICK_TIME} on a 2-core machine)"
+    )
+    p.add_argument(
+        "--check", action="store_true", help="exit with status 1 when any target is missed"
+    )
     p.add_argument("--json", metavar="PATH", help="write the full report as JSON ('-': stdout)")
     p.add_argument(
         "--plot", metavar="PATH", help="draw events/s against events per tick (.png, .svg)"
@@ -185,7 +195,23 @@ def _sizes(args: argparse.Namespace) -> Sizes:
     return sizes
 
 
+def missed_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every target of the report (overall and per benchmark) that was not met."""
+    targets = list(report.get("targets", []))
+    for result in report.get("results", []):
+        targets.extend(result.get("targets", []))
+    seen: set[str] = set()
+    missed: list[dict[str, Any]] = []
+    for t in targets:
+        key = json.dumps(t, sort_keys=True, default=str)
+        if not t.get("met", True) and key not in seen:
+            seen.add(key)
+            missed.append(t)
+    return missed
+
+
 async def run(args: argparse.Namespace) -> int:
+    started = time.monotonic()
     sizes = _sizes(args)
     quick = bool(args.quick or args.tiny)
     only = args.only
@@ -226,4 +252,15 @@ async def run(args: argparse.Namespace) -> int:
         written = plot_series(report, args.plot)
         note = "" if written == args.plot else " (matplotlib not installed: SVG instead)"
         print(f"kvstream bench: plot written to {written}{note}", file=sys.stderr)
+    elapsed = time.monotonic() - started
+    missed = missed_targets(report)
+    print(
+        f"kvstream bench: ran in {elapsed:.0f} s; "
+        + (f"{len(missed)} target(s) missed" if missed else "every target met"),
+        file=sys.stderr,
+    )
+    if args.check and missed:
+        for t in missed:
+            print(f"kvstream bench: missed: {t.get('target')}", file=sys.stderr)
+        return 1
     return 0

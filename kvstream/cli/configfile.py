@@ -1,7 +1,7 @@
-"""``kvstream --config FILE``: defaults for every option of every command, from TOML.
+"""`kvstream --config FILE`: defaults for every option of every command, from TOML.
 
 The file has the global options at the top and one table per command; keys are
-the long option names, with ``-`` or ``_``::
+the long option names, with `-` or `_`:
 
     log-level = "INFO"
 
@@ -12,7 +12,7 @@ the long option names, with ``-`` or ``_``::
     metrics = "127.0.0.1:9464"
 
 The command line wins over the file: an option given there replaces the file's
-value (for repeatable options such as ``--sink`` too). Values are checked like
+value (for repeatable options such as `--sink` too). Values are checked like
 the command line checks them; an unknown table or key is an error that lists
 what is known. Positional arguments (a file to read ...) are not taken from the
 file.
@@ -31,7 +31,7 @@ __all__ = ["ConfigList", "apply_config", "finish_args", "load_config"]
 
 
 def load_config(path: str) -> dict[str, Any]:
-    """Read a TOML file; any problem is a :class:`ConfigError` naming it."""
+    """Read a TOML file; any problem is a [`ConfigError`][kvstream.errors.ConfigError] naming it."""
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
@@ -45,7 +45,7 @@ class ConfigList(list[Any]):
     """A repeatable option's default from the file; remembers how many items it had.
 
     argparse appends command-line values to a copy of the default (and copying
-    keeps this type), so :func:`finish_args` can keep only what the command
+    keeps this type), so `finish_args()` can keep only what the command
     line gave when it gave anything.
     """
 
@@ -170,7 +170,7 @@ def _apply_table(
 
 
 def apply_config(parser: argparse.ArgumentParser, config: Mapping[str, Any], path: str) -> None:
-    """Make the file's values the defaults of ``parser`` and its subcommands."""
+    """Make the file's values the defaults of `parser` and its subcommands."""
     _apply_table(parser, config, f"--config {path}:", top=True)
 
 

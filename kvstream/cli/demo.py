@@ -1,36 +1,44 @@
-"""``kvstream demo``: a simulated engine publishing KV cache events into sinks.
+"""`kvstream demo`: a simulated engine publishing KV cache events into sinks.
 
-Needs no server. One tick per engine step; ``--rate`` paces the steps. On
-Ctrl-C or SIGTERM it stops stepping, delivers what it has and prints the
-summary.
+Needs no server. One tick per engine step; `--rate` paces the steps. Without
+`--sink` or `--out` the batches go to a new file in the working directory,
+named for this run (`kvstream-demo-<time>-<random>.jsonl`); the summary says
+where and how big. On Ctrl-C or SIGTERM it stops stepping, delivers what it
+has and prints the summary.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import signal
 import sys
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import anyio.lowlevel
 
 from kvstream.cli.kv_events import add_kv_events_config_option, zmq_sink_from_kv_events_config
 from kvstream.cli.longrun import Progress, add_metrics_option, metrics_token, open_metrics
+from kvstream.cli.upstream import bind_rule
 from kvstream.config import open_sink
 from kvstream.errors import ConfigError
 from kvstream.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvstream.scheduler import Scheduler
 from kvstream.sim import SimulatedEngine
 from kvstream.sinks.base import Sink
+from kvstream.sinks.file import FileSink
+from kvstream.wire.vllm_zmq import should_bind
 
 __all__ = ["register", "run"]
 
 EXAMPLES = """\
 examples:
-  kvstream demo                                   a few seconds into ./kvstream-demo-<time>.jsonl
+  kvstream demo                                   a few seconds into a new ./kvstream-demo-*.jsonl
+  kvstream demo --steps 200 --out demo.jsonl      into demo.jsonl (replaced if it exists)
   kvstream demo --steps 0 --rate 50 --sink -      run until Ctrl-C, JSON lines on stdout
   kvstream demo --sink file:kv.jsonl --sink tcp://127.0.0.1:5600
   kvstream demo --rate 0 --steps 20000 --sink 'file:kv.jsonl?policy=drop_oldest'
@@ -64,7 +72,14 @@ def register(sub: Any) -> None:
         metavar="URL",
         default=[],
         help="where batches go (repeatable): -, file:PATH, tcp://HOST:PORT, unix:PATH, "
-        "zmq+tcp://..., nats://..., redis://... (default: ./kvstream-demo-<time>.jsonl)",
+        "zmq+tcp://..., nats://..., redis://... (default: a new file, see --out)",
+    )
+    p.add_argument(
+        "--out",
+        metavar="PATH",
+        default=None,
+        help="write the JSON-lines file here, replacing it (default, without --sink: "
+        "./kvstream-demo-<time>-<id>.jsonl, new for every run)",
     )
     add_metrics_option(p)
     add_kv_events_config_option(p)
@@ -96,6 +111,86 @@ def _summary(
     return "\n".join(lines)
 
 
+#: Seconds a ZMQ sink may have no subscriber before the demo says why that may be.
+QUIET_HINT_AFTER: Final = 3.0
+
+
+def _new_demo_file() -> str:
+    """A file name no other run uses: the time plus a random suffix, created exclusively."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    while True:
+        path = f"kvstream-demo-{stamp}-{secrets.token_hex(3)}.jsonl"
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:  # pragma: no cover - 16M names a second
+            continue
+        except OSError as exc:
+            raise ConfigError(f"cannot create {path} in the working directory: {exc}") from exc
+        os.close(fd)
+        return path
+
+
+def _replace_file(path: str) -> None:
+    try:
+        with open(path, "wb"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"--out: cannot write {path}: {exc}") from exc
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _zmq_sinks(sinks: list[Sink]) -> list[Any]:
+    module = sys.modules.get("kvstream.sinks.zmq")  # loaded if any ZMQ sink exists
+    if module is None:
+        return []
+    return [s for s in sinks if isinstance(s, module.ZmqSink)]
+
+
+def _rule(sink: Any) -> str:
+    """How the sink attaches (a bound endpoint shows its resolved address, no '*')."""
+    if sink.bind:
+        return "binds: subscribers connect to it"
+    if should_bind(sink.endpoint):
+        return bind_rule(sink.endpoint, False)
+    return bind_rule(sink.endpoint)
+
+
+def _zmq_banner(sink: Any) -> str:
+    line = f"  {sink.name}: {sink.endpoint} {_rule(sink)}"
+    if sink.replay_endpoint:
+        line += f"; replay {sink.replay_endpoint} binds"
+    return line
+
+
+def _zmq_quiet_hint(sink: Any, seconds: float) -> str:
+    if sink.bind:
+        fix = f"e.g. kvstream tail 'zmq+{sink.endpoint}'"
+    else:
+        fix = (
+            "a subscriber there must bind (kvstream tail 'zmq+tcp://*:PORT'); if it "
+            "connects too, nothing arrives: give the sink a '*' endpoint to bind it"
+        )
+    return (
+        f"kvstream demo: nobody has subscribed to {sink.endpoint} in {seconds:.0f} s "
+        f"(ZMQ drops what nobody subscribed to); this sink {_rule(sink)}; "
+        f"{fix}"
+    )
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:,} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return f"{n} bytes"  # pragma: no cover
+
+
 def _count(batch: EventBatch, counts: Counter[tuple[str, str | None]]) -> None:
     for e in batch.events:
         if isinstance(e, BlockStored | BlockRemoved):
@@ -111,12 +206,17 @@ async def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--rate: expected >= 0, got {args.rate}")
     urls: list[str] = list(args.sink)
     zmq_sink = zmq_sink_from_kv_events_config(args.kv_events_config)
-    if not urls and zmq_sink is None:
-        urls = [f"file:kvstream-demo-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"]
     codecs: dict[str, Any] = {}
     sinks = [open_sink(url, codecs=codecs) for url in urls]
     if zmq_sink is not None:
         sinks.append(zmq_sink)
+    out: str | None = args.out
+    if out is None and not sinks:
+        out = _new_demo_file()
+    elif out is not None:
+        _replace_file(out)
+    if out is not None:
+        sinks.insert(0, FileSink(out))
     engine = SimulatedEngine(
         seed=args.seed,
         block_size=args.block_size,
@@ -133,6 +233,7 @@ async def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     stopped_by: str | None = None
     step = 0
+    subscribed: set[int] = set()
 
     def progress_line() -> str:
         events = sum(counts.values())
@@ -152,7 +253,31 @@ async def run(args: argparse.Namespace) -> int:
             + ", ".join(s.name for s in sinks),
             file=sys.stderr,
         )
+        zmq_sinks = _zmq_sinks(sinks)
+        for sink in zmq_sinks:
+            print(_zmq_banner(sink), file=sys.stderr)
+        sys.stderr.flush()
         async with anyio.create_task_group() as tg:
+
+            async def watch_subscribers() -> None:
+                waited = 0.0
+                hinted: set[int] = set()
+                while True:
+                    await anyio.sleep(0.25)
+                    waited += 0.25
+                    for sink in zmq_sinks:
+                        if sink.zmq_statistics().subscriptions > 0:
+                            subscribed.add(id(sink))
+                        elif (
+                            waited >= QUIET_HINT_AFTER
+                            and id(sink) not in subscribed
+                            and id(sink) not in hinted
+                        ):
+                            hinted.add(id(sink))
+                            print(_zmq_quiet_hint(sink, QUIET_HINT_AFTER), file=sys.stderr)
+
+            if zmq_sinks:
+                tg.start_soon(watch_subscribers)
 
             async def watch_signals() -> None:
                 nonlocal stopped_by
@@ -196,4 +321,16 @@ async def run(args: argparse.Namespace) -> int:
     if stopped_by:
         print(f"kvstream demo: stopped by {stopped_by}", file=sys.stderr)
     print(_summary(counts, batches, last_seq, elapsed, sinks), file=sys.stderr)
+    for sink in _zmq_sinks(sinks):
+        if id(sink) not in subscribed:
+            print(
+                f"  note: {sink.endpoint} never had a subscriber: ZMQ sent those batches to nobody",
+                file=sys.stderr,
+            )
+    if out is not None:
+        size = _file_size(out)
+        print(
+            f"kvstream demo: wrote {_size(size)} to {out} (check it: kvstream verify {out})",
+            file=sys.stderr,
+        )
     return 0 if report.complete else 1

@@ -1,13 +1,13 @@
-"""vLLM's ``--kv-events-config`` on kvstream's command line.
+"""vLLM's `--kv-events-config` on kvstream's command line.
 
-Any command that publishes can accept the JSON users already give vLLM::
+Any command that publishes can accept the JSON users already give vLLM:
 
     add_kv_events_config_option(parser)
     ...
     sink = zmq_sink_from_kv_events_config(args.kv_events_config)   # None if it is off
 
-The parsing rules live in :mod:`kvstream.wire.vllm_zmq`; the sink is a
-:class:`~kvstream.sinks.zmq.ZmqSink` bound or connected by vLLM's rule, with
+The parsing rules live in `kvstream.wire.vllm_zmq`; the sink is a
+[`ZmqSink`][kvstream.sinks.zmq.ZmqSink] bound or connected by vLLM's rule, with
 the ring, high-water mark and topic the config names.
 """
 
@@ -28,7 +28,7 @@ log = logging.getLogger("kvstream.cli")
 
 
 def add_kv_events_config_option(parser: argparse.ArgumentParser) -> None:
-    """Add ``--kv-events-config JSON`` to a subcommand's parser."""
+    """Add `--kv-events-config JSON` to a subcommand's parser."""
     parser.add_argument(
         "--kv-events-config",
         metavar="JSON",
@@ -41,12 +41,12 @@ def add_kv_events_config_option(parser: argparse.ArgumentParser) -> None:
 def zmq_sink_from_kv_events_config(
     text: str | None, *, data_parallel_rank: int | None = None, **options: Any
 ) -> ZmqSink | None:
-    """The ZMQ sink a ``--kv-events-config`` JSON string describes.
+    """The ZMQ sink a `--kv-events-config` JSON string describes.
 
-    Returns None when ``text`` is None or the config turns publishing off
-    (``"enable_kv_cache_events": false`` or ``"publisher": "null"``). Raises
-    :class:`~kvstream.errors.ConfigError` naming a bad key or value, and
-    :class:`~kvstream.errors.MissingDependencyError` without pyzmq.
+    Returns None when `text` is None or the config turns publishing off
+    (`"enable_kv_cache_events": false` or `"publisher": "null"`). Raises
+    [`ConfigError`][kvstream.errors.ConfigError] naming a bad key or value, and
+    [`MissingDependencyError`][kvstream.errors.MissingDependencyError] without pyzmq.
     """
     if text is None:
         return None

@@ -1,11 +1,11 @@
-"""What the long-running commands share: ``--metrics ADDR`` and the progress line.
+"""What the long-running commands share: `--metrics ADDR` and the progress line.
 
-A command that runs until stopped (``demo``, ``relay``, ``tail``, ``index``,
-``bench``) adds the option in its ``register``::
+A command that runs until stopped (`demo`, `relay`, `tail`, `index`,
+`bench`) adds the option in its `register`:
 
     add_metrics_option(parser)
 
-and, in ``run``, serves its objects' statistics while it works::
+and, in `run`, serves its objects' statistics while it works:
 
     async with open_metrics(args.metrics, command="relay") as metrics:
         async with Scheduler(...) as scheduler:
@@ -17,7 +17,7 @@ and, in ``run``, serves its objects' statistics while it works::
 (Open the metrics server outside the scheduler, so it is still listening while
 the scheduler closes, and a closing scheduler never cancels it.)
 
-and shows a progress line on stderr when stderr is a terminal::
+and shows a progress line on stderr when stderr is a terminal:
 
     progress = Progress("relay", lambda: f"{n:,} batches")
     tg.start_soon(progress.run)    # returns at once when stderr is not a TTY
@@ -45,13 +45,13 @@ __all__ = ["Progress", "add_metrics_option", "metrics_token", "open_metrics"]
 
 
 def add_metrics_option(parser: argparse.ArgumentParser) -> None:
-    """Add ``--metrics ADDR`` to a subcommand's parser."""
+    """Add `--metrics ADDR` to a subcommand's parser."""
     parser.add_argument(
         "--metrics",
         metavar="ADDR",
         default=None,
         help="serve Prometheus metrics at http://ADDR/metrics while running, "
-        "e.g. 127.0.0.1:9464 or :0 (needs kvstream[metrics])",
+        "e.g. 127.0.0.1:9464 or :0 (needs kvstream-events[metrics])",
     )
     parser.add_argument(
         "--metrics-token-env",
@@ -69,7 +69,7 @@ def add_metrics_option(parser: argparse.ArgumentParser) -> None:
 
 
 def metrics_token(args: argparse.Namespace) -> str | None:
-    """The bearer token ``--metrics-token-env`` / ``--metrics-token-file`` name, or None."""
+    """The bearer token `--metrics-token-env` / `--metrics-token-file` name, or None."""
     return read_token(
         env=getattr(args, "metrics_token_env", None),
         file=getattr(args, "metrics_token_file", None),
@@ -81,10 +81,10 @@ def metrics_token(args: argparse.Namespace) -> str | None:
 async def open_metrics(
     address: str | None, *targets: object, command: str, token: str | None = None
 ) -> AsyncIterator[MetricsServer | None]:
-    """Serve the targets' statistics at ``address`` (yields None when it is None).
+    """Serve the targets' statistics at `address` (yields None when it is None).
 
     Prints the URL on stderr. Add more targets later with
-    ``server.collector.add(...)``.
+    `server.collector.add(...)`.
     """
     if not address:
         yield None
@@ -99,7 +99,7 @@ async def open_metrics(
 class Progress:
     """A status line on stderr, rewritten in place once a second.
 
-    Shown only when the stream is a terminal (``enabled`` overrides). ``render``
+    Shown only when the stream is a terminal (`enabled` overrides). `render`
     is called once per refresh, never per event, so the line costs nothing on
     the hot path.
     """
@@ -146,7 +146,7 @@ class Progress:
             self._shown = False
 
     async def run(self) -> None:
-        """Refresh every ``interval`` seconds until cancelled; erases the line on exit."""
+        """Refresh every `interval` seconds until cancelled; erases the line on exit."""
         if not self.enabled:
             return
         try:

@@ -1,8 +1,8 @@
-"""``kvstream``: entry point, subcommand table and error handling.
+"""`kvstream`: entry point, subcommand table and error handling.
 
-Each subcommand lives in its own module with two functions: ``register(sub)``
-adds its parser (``sub.add_parser(...)``) and sets ``func`` to an async
-``run(args) -> int``. User mistakes (a :class:`KVStreamError`, a bad option)
+Each subcommand lives in its own module with two functions: `register(sub)`
+adds its parser (`sub.add_parser(...)`) and sets `func` to an async
+`run(args) -> int`. User mistakes (a `KVStreamError`, a bad option)
 end in one line on stderr and a non-zero exit, never a stack trace.
 """
 
@@ -21,7 +21,7 @@ import kvstream
 from kvstream.cli.configfile import apply_config, finish_args, load_config
 from kvstream.errors import KVStreamError
 
-#: Subcommand modules, in the order ``--help`` lists them.
+#: Subcommand modules, in the order `--help` lists them.
 COMMANDS: Final = (
     "kvstream.cli.bench",
     "kvstream.cli.demo",
@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="WARNING",
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
         help="log verbosity on stderr (default: WARNING)",
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="the same as --log-level INFO: shows every connection attempt, among others",
     )
     parser.add_argument(
         "--config",
@@ -105,8 +111,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     args = parser.parse_args(argv)
     finish_args(args)
+    level = getattr(logging, args.log_level)
+    if args.verbose:
+        level = min(level, logging.INFO)
     logging.basicConfig(
-        level=getattr(logging, args.log_level),
+        level=level,
         format="kvstream: %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )

@@ -1,10 +1,12 @@
-"""``kvstream tail``: print batches as they arrive, from any subscriber URL.
+"""`kvstream tail`: print batches as they arrive, from any subscriber URL.
 
-Works against a socket sink (``tcp://HOST:PORT``, ``unix:PATH``), a JSON-lines
-file (followed as it grows, like ``tail -f``; ``--no-follow`` stops at its
-end) and every other URL ``kvstream.subscribe`` knows (ZMQ, NATS, Redis).
+Works against a socket sink (`tcp://HOST:PORT`, `unix:PATH`), a JSON-lines
+file (followed as it grows, like `tail -f`; `--no-follow` stops at its
+end) and every other URL `kvstream.subscribe` knows (ZMQ, NATS, Redis).
 Batches go to standard output; gaps (batches that will never come) are
-warnings on standard error. Ctrl-C or SIGTERM stops it.
+warnings on standard error. An upstream that cannot be reached is retried
+with backoff (`-v` shows every attempt; `--no-retry` exits at once); a
+file that is not kvstream's JSON lines is refused. Ctrl-C or SIGTERM stops it.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import anyio
 import orjson
 
 from kvstream.cli.longrun import add_metrics_option, metrics_token, open_metrics
+from kvstream.cli.upstream import bind_rule, open_upstream, refuse_foreign_file
 from kvstream.codecs.json import JsonCodec
-from kvstream.config import parse_url, subscribe
-from kvstream.consumers.base import Gap
+from kvstream.config import ParsedURL, parse_url, subscribe
+from kvstream.consumers.base import Gap, Subscriber
+from kvstream.consumers.socket import SocketSubscriber
 from kvstream.errors import ConfigError
 from kvstream.events import (
     AllBlocksCleared,
@@ -43,7 +47,12 @@ examples:
   kvstream tail unix:/run/kvstream.sock --format json  JSON lines, for piping into jq
   kvstream tail events.jsonl                          a file, followed as it grows
   kvstream tail 'tcp://10.0.0.5:5600?token_env=KV_TOKEN&tls_ca=ca.pem'
+  kvstream tail 'zmq+tcp://127.0.0.1:5557?replay=tcp://127.0.0.1:5558'   a vLLM engine
+  kvstream tail 'zmq+tcp://*:5557'                    bind: for publishers that connect
 """
+
+#: Seconds of silence from a ZMQ upstream before the bind-or-connect hint.
+QUIET_HINT_AFTER: Final = 5.0
 
 _RESET: Final = "\x1b[0m"
 _COLORS: Final = {
@@ -92,6 +101,11 @@ def register(sub: Any) -> None:
         "--no-follow",
         action="store_true",
         help="for a file: print what it holds and exit instead of following it",
+    )
+    p.add_argument(
+        "--no-retry",
+        action="store_true",
+        help="exit at once when the upstream cannot be reached (default: retry with backoff)",
     )
     add_metrics_option(p)
     p.set_defaults(func=run)
@@ -212,7 +226,7 @@ class TailStatistics(NamedTuple):
 
 
 class _TailCounters:
-    """What ``kvstream tail`` has seen, for ``--metrics``."""
+    """What `kvstream tail` has seen, for `--metrics`."""
 
     def __init__(self) -> None:
         self.batches = self.events = self.gaps = self.missing = 0
@@ -229,19 +243,52 @@ class _TailCounters:
         return TailStatistics(self.batches, self.events, self.gaps, self.missing)
 
 
+def quiet_hint(parsed: ParsedURL, seconds: float) -> str | None:
+    """Why nothing may have arrived from a ZMQ URL in `seconds`; None for other schemes."""
+    if not parsed.scheme.startswith("zmq"):
+        return None
+    endpoint = parsed.raw.split("?", 1)[0].removeprefix("zmq+")
+    bind = parsed.options.get("bind")
+    flag = None if bind is None else bind.lower() in ("1", "true", "yes", "on")
+    rule = bind_rule(endpoint, flag)
+    if rule.startswith("binds"):
+        fix = "the publisher must connect to it (vLLM connects when its endpoint has no '*')"
+    else:
+        fix = (
+            "if the publisher connects too (vLLM and kvstream connect when the endpoint has "
+            "no '*'), nothing can arrive: bind one end, e.g. tail 'zmq+tcp://*:PORT' or add "
+            "?bind=1"
+        )
+    return (
+        f"kvstream tail: nothing received from {endpoint} in {seconds:.0f} s; "
+        f"this end {rule}; {fix}\n"
+    )
+
+
 async def run(args: argparse.Namespace) -> int:
     if args.from_seq is not None and args.from_seq < 0:
         raise ConfigError(f"--from-seq: expected >= 0, got {args.from_seq}")
     if args.count < 0:
         raise ConfigError(f"--count: expected >= 0, got {args.count}")
     kwargs: dict[str, Any] = {}
-    if parse_url(args.url).scheme == "file":
+    parsed = parse_url(args.url)
+    if parsed.scheme == "file":
         kwargs["follow"] = not args.no_follow
+        refuse_foreign_file(parsed.path)
+    socket = parsed.scheme in ("tcp", "unix") and "reconnect" not in parsed.options
+    if socket:
+        # Entered without reconnecting, so open_upstream sees the first failure;
+        # once connected, the subscriber resumes after drops on its own.
+        kwargs["reconnect"] = False
     out = sys.stdout
     err = sys.stderr
     printer = Printer(args.format, color=_use_color(args.color, out))
     warn_color = _use_color(args.color, err)
-    sub = subscribe(args.url, from_seq=args.from_seq, **kwargs)
+    retry = not args.no_retry
+
+    def make() -> Subscriber:
+        return subscribe(args.url, from_seq=args.from_seq, **kwargs)
+
     printed = 0
     counters = _TailCounters()
     async with (
@@ -258,8 +305,20 @@ async def run(args: argparse.Namespace) -> int:
                     return
 
         tg.start_soon(stop_on_signal)
+        hint = quiet_hint(parsed, QUIET_HINT_AFTER)
+        if hint is not None:
+
+            async def say_why_quiet() -> None:
+                await anyio.sleep(QUIET_HINT_AFTER)
+                if not counters.batches and not counters.gaps:
+                    err.write(hint)
+                    err.flush()
+
+            tg.start_soon(say_why_quiet)
         try:
-            async with sub:
+            async with open_upstream(make, url=args.url, command="tail", retry=retry) as sub:
+                if socket and retry and isinstance(sub, SocketSubscriber):
+                    sub.reconnect = True
                 async for item in sub:
                     counters.count(item)
                     if isinstance(item, Gap):

@@ -42,14 +42,18 @@ class ConsistencyReport:
 
 
 def check_consistency(
-    batches: Iterable[EventBatch], *, start_seq: int | None = 0
+    batches: Iterable[EventBatch], *, start_seq: int | None = 0, joined_late: bool = False
 ) -> ConsistencyReport:
     """Check ``batches`` (in stream order); see the module doc. Returns a summary.
 
     ``start_seq=None`` accepts a first batch of any seq (a stream joined late,
     whose state before it is unknown: then removals of unknown blocks are not
-    errors until a snapshot or clear).
+    errors until a snapshot or clear). ``joined_late=True`` also judges an
+    origin whose first batch is seq 0 that way (a relay that joined its upstream
+    late numbers from 0); it implies ``start_seq=None``.
     """
+    if joined_late:
+        start_seq = None
     report = ConsistencyReport()
     state: dict[str, dict[str | None, set[int | bytes]]] = {}
     position: dict[str, tuple[str, int]] = {}
@@ -62,8 +66,9 @@ def check_consistency(
                 raise ConsistencyError(
                     f"{where}: first batch of the epoch, expected seq {start_seq}"
                 )
-            if start_seq is None and batch.seq != 0:
-                partial.add(batch.origin)
+            partial.discard(batch.origin)  # a new epoch starts empty...
+            if start_seq is None and (batch.seq != 0 or (joined_late and known is None)):
+                partial.add(batch.origin)  # ...unless it was joined late
             state[batch.origin] = {}
         elif batch.seq != known[1] + 1:
             raise ConsistencyError(f"{where}: expected seq {known[1] + 1}")

@@ -4,7 +4,7 @@
 two different client libraries; the rules they have in common are written
 here once:
 
-* a missing client library says which ``pip install 'kvstream[...]'`` fixes it;
+* a missing client library says which ``pip install 'kvstream-events[...]'`` fixes it;
 * a URL in a message never shows its credentials or path;
 * a client opened for a set-up step that fails (or is cancelled) is closed
   before the failure goes on.

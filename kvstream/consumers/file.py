@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator
+import types
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import anyio
 
@@ -47,14 +48,23 @@ class FileSubscriber(Subscriber):
         self.tracker = SequenceTracker()
         self.bad_lines = 0
         self._closed = False
+        self._readers: list[AsyncGenerator[SubscriberItem, None]] = []
 
     async def aclose(self) -> None:
+        """Stop reading and close the file, also under an iteration left suspended."""
         self._closed = True
+        readers, self._readers = self._readers, []
+        for reader in readers:
+            # A reader running right now (in another task) sees _closed and ends itself.
+            if not (isinstance(reader, types.AsyncGeneratorType) and reader.ag_running):
+                await reader.aclose()
 
     def __aiter__(self) -> AsyncIterator[SubscriberItem]:
-        return self._read()
+        reader = self._read()
+        self._readers.append(reader)
+        return reader
 
-    async def _read(self) -> AsyncIterator[SubscriberItem]:
+    async def _read(self) -> AsyncGenerator[SubscriberItem, None]:
         try:
             f = await anyio.open_file(self.path, "rb")
         except OSError as exc:

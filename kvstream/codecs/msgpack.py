@@ -46,11 +46,12 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, TypeAlias, get_args
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias, get_args
 
 import msgspec
 from msgspec.structs import astuple
 
+from kvstream.codecs.base import Refusal
 from kvstream.errors import ConfigError, DecodeError, KVStreamError
 from kvstream.events import (
     AllBlocksCleared,
@@ -293,15 +294,6 @@ _TO_WIRE: Final[dict[tuple[str, bool], dict[type, _ToWire]]] = {
 
 
 # -- strict screening -------------------------------------------------------------------
-
-
-class Refusal(NamedTuple):
-    """An event a strict codec left out of a batch, and why."""
-
-    #: Position of the event in the batch it came in.
-    position: int
-    event_type: str
-    reason: str
 
 
 def _u64(h: BlockHash) -> int:
@@ -662,6 +654,12 @@ class MsgpackCodec:
         except _BAD_INPUT as exc:
             raise DecodeError(f"not a msgpack batch: {exc}") from None
         return self._batch_from_wire(obj, seq, origin, epoch)
+
+    def decode_keyed(
+        self, data: bytes | bytearray | memoryview, *, seq: int, origin: str, epoch: str
+    ) -> EventBatch:
+        """The batch in one payload frame, named by its transport (the Codec contract)."""
+        return self.decode(data, seq=seq, origin=origin, epoch=epoch)
 
     def _batch_from_wire(self, obj: Any, seq: int, origin: str, epoch: str) -> EventBatch:
         ts, raw_events, rank = _batch_parts(obj)

@@ -599,7 +599,7 @@ async def test_drain_timeout_reports_what_was_not_delivered(
 
 async def test_a_sink_never_entered_or_closed_refuses_batches_naming_what_to_do() -> None:
     sink = MemorySink()
-    with pytest.raises(ClosedError, match="never entered.*async with sink"):
+    with pytest.raises(ClosedError, match=r"never entered.*async with sink"):
         sink.offer(batch(0))
     with pytest.raises(ClosedError, match="never entered"):
         await sink.put(batch(0))

@@ -193,10 +193,10 @@ def _stored_line(e: BlockStored, decimal: bool) -> _Stored:
             hashes = _hex_hashes(hashes)
         if type(parent) is bytes:
             parent = parent.hex()
-    extra = e.extra_keys
+    extra: Any = e.extra_keys
     if extra is not None and extra.count(None) != len(extra):
         extra = _raw(_wrap_bytes(extra))
-    metadata = e.metadata
+    metadata: Any = e.metadata
     if metadata is not None:
         metadata = _raw(metadata)
     return _Stored(
@@ -235,7 +235,7 @@ def _event_line(e: KVCacheEvent, decimal: bool) -> Any:
     if t is BlockRemoved:
         return _removed_line(e, decimal)  # type: ignore[arg-type]
     if t is AllBlocksCleared:
-        metadata = e.metadata
+        metadata = e.metadata  # type: ignore[attr-defined]
         return _CLEARED if metadata is None else _Cleared(_raw(metadata))
     raise TypeError(f"JsonCodec: expected a KV cache event, got {e!r:.80}")
 

@@ -33,7 +33,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Final, Literal, NamedTuple, Self, TypeAlias, get_args
+from typing import Final, Literal, NamedTuple, Self, TypeAlias, get_args
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus

@@ -40,7 +40,7 @@ BENCHMARKS: dict[str, str] = {
     "efficiency": "pipeline vs codec alone, by events per tick [1]",
     "host": "tick() latency, CPU per event, emit [3]",
     "scaling": "sources and sinks [4]",
-    "zmq": "ZMQ sink vs vLLM's publisher design [2]",
+    "zmq": "ZMQ sink vs vLLM's publisher design and the floor [12.3, 12.6]",
     "memory": "RSS with a stalled sink, per policy [5]",
     "sinks": "events/s and MB/s per sink [6]",
     "index": "prefix index (benchmarks/bench_index.py) [7]",
@@ -79,7 +79,7 @@ def units(name: str, sizes: Sizes) -> int:
     if name == "scaling":
         return runs * (len(sizes.sources) + len([k for k in sizes.sinks if k != 1]))
     if name == "zmq":
-        return len(sizes.zmq_batch_sizes) * runs * 2
+        return len(sizes.zmq_batch_sizes) * runs * 4
     if name == "memory":
         return 3
     if name == "sinks":

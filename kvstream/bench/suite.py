@@ -19,6 +19,7 @@ from importlib import metadata
 from typing import Any, Protocol
 
 from kvstream.bench.event_cost import bench_event_cost
+from kvstream.bench.file_pipeline import bench_file
 from kvstream.bench.index_runner import bench_index
 from kvstream.bench.memory import bench_memory
 from kvstream.bench.per_sink import SINK_NAMES, bench_sinks
@@ -40,6 +41,7 @@ BENCHMARKS: dict[str, str] = {
     "efficiency": "pipeline vs codec alone, by events per tick [1]",
     "host": "tick() latency, CPU per event, emit [3]",
     "scaling": "sources and sinks [4]",
+    "file": "file sink pipeline vs the JSON codec writing [12.5]",
     "zmq": "ZMQ sink vs vLLM's publisher design and the floor [12.3, 12.6]",
     "memory": "RSS with a stalled sink, per policy [5]",
     "sinks": "events/s and MB/s per sink [6]",
@@ -51,6 +53,7 @@ _FUNCS: dict[str, Bench] = {
     "efficiency": bench_efficiency,
     "host": bench_host_cost,
     "scaling": bench_scaling,
+    "file": bench_file,
     "zmq": bench_zmq,
     "memory": bench_memory,
     "sinks": bench_sinks,
@@ -78,6 +81,8 @@ def units(name: str, sizes: Sizes) -> int:
         return 2 * runs * 2 + 1
     if name == "scaling":
         return runs * (len(sizes.sources) + len([k for k in sizes.sinks if k != 1]))
+    if name == "file":
+        return runs * 4
     if name == "zmq":
         return len(sizes.zmq_batch_sizes) * runs * 4
     if name == "memory":

@@ -150,6 +150,7 @@ def _floor_run(endpoint: str, counter: CounterProcess, vbatches: list[Any], even
     try:
         encode = msgspec.msgpack.Encoder().encode
         send = pub.send_multipart
+
         def probe() -> None:
             send((b"", b"\0" * 8, encode(vbatches[0])))
 

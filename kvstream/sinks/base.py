@@ -63,9 +63,11 @@ DEFAULT_MAX_BATCHES: Final = 100_000
 #: What a batch is assumed to cost before the sink has encoded one.
 #: What a queued batch costs beyond its encoded bytes (the outbox entry, the batch).
 _ENTRY_OVERHEAD: Final = 160
-#: A writer hop (``send_many``) carries at most this many bytes: bounded, so that
-#: the bytes a hop holds are freed (and reused) before the next is taken.
-_HOP_BYTES: Final = 1024 * 1024
+#: A writer hop (``send_many``) carries at most this many bytes (or one batch).
+#: Large, because a hop to a worker thread costs a GIL hand-off each way, which a
+#: busy loop makes slow (up to the interpreter's switch interval, 5 ms); bounded,
+#: so that what a hop holds is freed, and its memory reused, before the next.
+_HOP_BYTES: Final = 16 * 1024 * 1024
 
 
 class SinkStatistics(NamedTuple):
@@ -120,7 +122,7 @@ class Sink(ABC):
 
     #: How many queued batches :meth:`send_many` may receive at once. Sinks that
     #: can write several batches in one operation (a file) raise it. A hop also
-    #: stops at about a mebibyte of encoded bytes.
+    #: stops at 16 MiB of encoded bytes.
     max_coalesce: int = 1
 
     def __init__(
@@ -492,7 +494,7 @@ class Sink(ABC):
             )
 
     def _take(self) -> list[tuple[bytes, EventBatch]]:
-        """Pop the next hop: up to ``max_coalesce`` batches, about a mebibyte at most."""
+        """Pop the next hop: up to ``max_coalesce`` batches, 16 MiB at most (or one batch)."""
         items: list[tuple[bytes, EventBatch]] = []
         outbox = self._outbox
         limit = self.max_coalesce

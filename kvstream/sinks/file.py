@@ -1,7 +1,7 @@
 """FileSink: JSON lines (or any codec's bytes) appended to a file, or stdout.
 
-Writes run in a worker thread, several queued batches per hop (at most 256
-batches and about a mebibyte: the base class bounds a hop), so a slow disk
+Writes run in a worker thread, several queued batches per hop (at most 1024
+batches and 16 MiB: the base class bounds a hop), so a slow disk
 never blocks the event loop; every batch is handed to the OS before it counts
 as sent (the file is unbuffered: one ``writev`` per hop, straight from the
 encoded batches, never concatenated into a new buffer). A write that fails
@@ -41,7 +41,7 @@ class FileSink(Sink):
     ``rotate_seconds``.
     """
 
-    max_coalesce = 256
+    max_coalesce = 1024
 
     def __init__(
         self,

@@ -518,7 +518,8 @@ class Scheduler:
                 # A cancelled tick left batches behind: hand them on now.
                 await self._wait_dispatched(self._tickets)
             return None
-        await self._dispatch(batches)
+        if not self._dispatch_now(batches):
+            await self._wait_dispatched(self._tickets)
         own = batches[0]
         return own if own.origin == self.origin else None
 
@@ -580,24 +581,29 @@ class Scheduler:
                 self._handles.remove(h)
                 self._origins[h.origin].inputs.remove(h)
 
-    async def _dispatch(self, batches: list[EventBatch]) -> None:
+    def _dispatch_now(self, batches: list[EventBatch]) -> bool:
+        """Hand ``batches`` to every sink without waiting, if nothing is queued ahead.
+
+        Returns False when some ``block`` sink is full (or batches of an earlier
+        tick still wait): what was not handed over is then in the backlog, and
+        the caller awaits :meth:`_wait_dispatched`.
+        """
+        if self._backlog or self._dispatching:
+            self._enqueue(batches, 0)
+            return False
         sinks = self._sinks
-        if not self._backlog and not self._dispatching:
-            # Fast path: every outbox has room (or a drop policy); no await.
-            for n, batch in enumerate(batches):
-                for i, sink in enumerate(sinks):
-                    if not sink.accepting:  # closed by its owner: it takes nothing more
-                        sink.count_missed(batch, "the sink was closed before the batch")
-                        continue
-                    if not sink.offer(batch, force=self._flushing):
-                        self._enqueue(batches[n:], i)
-                        await self._wait_dispatched(self._tickets)
-                        return
-            # Every sink has the bytes it needs: let them go (memory is reused).
-            self._encodings.forget()
-            return
-        self._enqueue(batches, 0)
-        await self._wait_dispatched(self._tickets)
+        force = self._flushing
+        for n, batch in enumerate(batches):
+            for i, sink in enumerate(sinks):
+                if not sink.accepting:  # closed by its owner: it takes nothing more
+                    sink.count_missed(batch, "the sink was closed before the batch")
+                    continue
+                if not sink.offer(batch, force=force):
+                    self._enqueue(batches[n:], i)
+                    return False
+        # Every sink has the bytes it needs: let them go (memory is reused).
+        self._encodings.forget()
+        return True
 
     def _enqueue(self, batches: list[EventBatch], first_sink: int) -> None:
         for k, batch in enumerate(batches):

@@ -12,6 +12,7 @@ per-round ratios.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import statistics
@@ -64,8 +65,9 @@ def _codec_writing(path: str, prebuilt: Sequence[EventBatch], events: int) -> Sa
 
 async def _pipeline(path: str, per_source: Sequence[Sequence[list[KVCacheEvent]]]) -> Sample:
     total = sum(len(c) for chunks_ in per_source for c in chunks_)
-    if path != os.devnull and os.path.exists(path):
-        os.unlink(path)
+    if path != os.devnull:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
     sink = FileSink(path, codec=JsonCodec())
     countdown = Countdown(len(per_source))
     async with Scheduler(sinks=[sink], origin=ORIGIN, epoch=EPOCH) as scheduler:
@@ -92,7 +94,6 @@ async def bench_file(
     n_chunks = max(sizes.scaling_events // CHUNK, SOURCES)
     all_chunks = chunks(pool, CHUNK, n_chunks)
     per_source = [all_chunks[i::SOURCES] for i in range(SOURCES)]
-    total = CHUNK * n_chunks
     prebuilt = batches(pool, CHUNK * SOURCES, n_chunks // SOURCES)
     base_events = CHUNK * SOURCES * (n_chunks // SOURCES)
     folder = tempfile.mkdtemp(prefix="kvbench-file-", dir=_scratch_dir())

@@ -18,6 +18,7 @@ from dataclasses import asdict
 from importlib import metadata
 from typing import Any, Protocol
 
+from kvstream.bench.codec_cost import bench_batch_cost, bench_codecs
 from kvstream.bench.event_cost import bench_event_cost
 from kvstream.bench.file_pipeline import bench_file
 from kvstream.bench.index_runner import bench_index
@@ -38,6 +39,8 @@ Bench = Callable[[list[KVCacheEvent], Sizes, Callable[[], None] | None], Awaitab
 #: Every benchmark, in the order the suite runs them (issue items in brackets).
 BENCHMARKS: dict[str, str] = {
     "event": "making one event vs orjson and a msgspec Struct [3]",
+    "codec": "codecs' encode vs msgspec and orjson on the same content [12.7]",
+    "batch": "per batch on the host's loop beyond encoding [12.4]",
     "efficiency": "pipeline vs codec alone, by events per tick [1]",
     "host": "tick() latency, CPU per event, emit [3]",
     "scaling": "sources and sinks [4]",
@@ -50,6 +53,8 @@ BENCHMARKS: dict[str, str] = {
 
 _FUNCS: dict[str, Bench] = {
     "event": bench_event_cost,
+    "codec": bench_codecs,
+    "batch": bench_batch_cost,
     "efficiency": bench_efficiency,
     "host": bench_host_cost,
     "scaling": bench_scaling,
@@ -81,6 +86,10 @@ def units(name: str, sizes: Sizes) -> int:
         return 2 * runs * 2 + 1
     if name == "scaling":
         return runs * (len(sizes.sources) + len([k for k in sizes.sinks if k != 1]))
+    if name == "codec":
+        return max(runs, 3) * 2
+    if name == "batch":
+        return max(runs, 3)
     if name == "file":
         return runs * 4
     if name == "zmq":

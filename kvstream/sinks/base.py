@@ -377,10 +377,10 @@ class Sink(ABC):
                 written = False
             if written:
                 self._batches_in += 1
-                self._note_refused(batch, refused)
-                discarded = self._discarded
-                if discarded and id(batch) in discarded:
-                    discarded.discard(id(batch))
+                if refused or self._refuse_burst:
+                    self._note_refused(batch, refused)
+                if self._discarded and id(batch) in self._discarded:
+                    self._discarded.discard(id(batch))
                 else:
                     self._batches_inline += 1
                     self._batches_out += 1

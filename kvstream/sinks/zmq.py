@@ -90,8 +90,9 @@ __all__ = ["DEFAULT_REPLAY_MAX_BYTES", "ZmqSink", "ZmqSinkStatistics"]
 log = logging.getLogger("kvstream.sinks")
 
 DEFAULT_REPLAY_MAX_BYTES: Final = 256 * 1024 * 1024
-#: Bookkeeping charged per ring entry on top of its frames.
-_ENTRY_OVERHEAD: Final = 96
+#: Bookkeeping charged per ring entry on top of its payload as allocated (the
+#: entry, its seq and seq frame, the ring's list slots and offset), measured.
+_ENTRY_OVERHEAD: Final = 256
 #: How many replies are served at once; further requests wait for their client's retry.
 DEFAULT_MAX_REPLAY_CLIENTS: Final = 64
 #: Frames sent to one reply client before the others get a turn.
@@ -438,7 +439,7 @@ class ZmqSink(Sink):
     def _keep(self, seq: int, topic: bytes, seq_frame: bytes, data: bytes) -> None:
         """Keep a published batch in the replay ring (when replay is on)."""
         if self._router is not None:
-            cost = held_bytes(len(data)) + len(topic) + 8 + _ENTRY_OVERHEAD
+            cost = held_bytes(len(data)) + _ENTRY_OVERHEAD
             self._ring.append(_Entry(seq, topic, seq_frame, data), cost)
 
     # -- subscriptions ------------------------------------------------------------------

@@ -115,3 +115,79 @@ def test_rss_stays_within_the_bounds_of_outbox_and_rings(shape: str) -> None:
         assert got[key] <= BOUND + 4 * 1024 * 1024, (key, got)
     # Resident memory: the three bounds, plus 32 MB (the issue's allowance).
     assert got["grown"] <= 3 * BOUND + 32 * 1024 * 1024, got
+
+
+REPLAY_CHILD = textwrap.dedent(
+    """
+    import gc, json, sys
+    import anyio
+    import zmq
+
+    from kvstream import Scheduler
+    from kvstream.bench.workload import event_pool
+    from kvstream.sinks.zmq import ZmqSink
+    from kvstream.wire.vllm_zmq import pack_seq
+
+    BOUND = int(sys.argv[1])
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    async def main():
+        pool = event_pool(1024)
+        sink = ZmqSink(
+            "tcp://127.0.0.1:0", bind=True, replay_endpoint="tcp://127.0.0.1:0",
+            replay_max_bytes=BOUND, replay_timeout=0.2, linger=0.0,
+        )
+        ctx = zmq.Context()
+        clients = []
+        async with Scheduler(sinks=[sink], origin="o") as s:
+            for i in range(60):  # 256-event batches: the ring is full and wraps
+                s.emit(pool[(i * 256) % 1024 : (i * 256) % 1024 + 256])
+                await s.tick()
+            gc.collect()
+            before = rss()
+            for wave in range(3):
+                for _ in range(8):
+                    c = ctx.socket(zmq.DEALER)
+                    c.setsockopt(zmq.RCVHWM, 1)
+                    c.setsockopt(zmq.RCVBUF, 4096)
+                    c.connect(sink.replay_endpoint)
+                    c.send_multipart([b"", pack_seq(0)])
+                    clients.append(c)  # never read, never closed: the attack
+                with anyio.fail_after(30):
+                    while True:
+                        st = sink.zmq_statistics()
+                        if st.replays_abandoned + st.replays_completed >= 8 * (wave + 1):
+                            break
+                        await anyio.sleep(0.05)
+            gc.collect()
+            grown = rss() - before
+            print(json.dumps({"grown": grown, "stats": sink.zmq_statistics()._asdict()}))
+        for c in clients:
+            c.close(linger=0)
+        ctx.term()
+
+    anyio.run(main)
+    """
+)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_replay_clients_that_never_read_pin_no_copies_of_the_ring() -> None:
+    """Issue 15, failure 2: each never-reading client used to get the ring copied into
+    ZMQ's queue (up to 1000 messages), kept for as long as it stayed connected."""
+    ring = 8 * 1024 * 1024
+    done = subprocess.run(
+        [sys.executable, "-c", REPLAY_CHILD, str(ring)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    stats = got["stats"]
+    assert stats["replays_abandoned"] + stats["replays_completed"] >= 24
+    assert got["grown"] <= ring + 32 * 1024 * 1024, got

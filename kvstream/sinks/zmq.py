@@ -85,7 +85,7 @@ except ImportError as exc:  # pragma: no cover - the extra is installed in tests
 if TYPE_CHECKING:
     from kvstream.config import Options, ParsedURL
 
-__all__ = ["DEFAULT_REPLAY_MAX_BYTES", "ZmqSink", "ZmqSinkStatistics"]
+__all__ = ["DEFAULT_REPLAY_HWM", "DEFAULT_REPLAY_MAX_BYTES", "ZmqSink", "ZmqSinkStatistics"]
 
 log = logging.getLogger("kvstream.sinks")
 
@@ -93,6 +93,10 @@ DEFAULT_REPLAY_MAX_BYTES: Final = 256 * 1024 * 1024
 #: Bookkeeping charged per ring entry on top of its payload as allocated (the
 #: entry, its seq and seq frame, the ring's list slots and offset), measured.
 _ENTRY_OVERHEAD: Final = 256
+#: Replies queued in ZMQ per replay client. Small: what a client that stops
+#: reading (or never reads) can pin is this many messages, and their payloads
+#: are the ring's own bytes (sent without copying), not copies.
+DEFAULT_REPLAY_HWM: Final = 16
 #: How many replies are served at once; further requests wait for their client's retry.
 DEFAULT_MAX_REPLAY_CLIENTS: Final = 64
 #: Frames sent to one reply client before the others get a turn.
@@ -190,7 +194,7 @@ class ZmqSink(Sink):
         replay_max_bytes: int = DEFAULT_REPLAY_MAX_BYTES,
         replay_layout: ReplayLayout = "topic",
         replay_timeout: float = 30.0,
-        replay_hwm: int = 1000,
+        replay_hwm: int = DEFAULT_REPLAY_HWM,
         max_replay_clients: int = DEFAULT_MAX_REPLAY_CLIENTS,
         linger: float = 1.0,
         **options: Any,
@@ -555,7 +559,9 @@ class ZmqSink(Sink):
                     reply.identity, entry.topic, entry.seq_frame, entry.payload, layout
                 )
             try:
-                router.send_multipart(frames, flags=zmq.NOBLOCK)
+                # Zero-copy: ZMQ's queue refers to the ring's payload instead of
+                # holding a copy per client.
+                _send_now(router, frames, copy=False)
             except zmq.Again:
                 self._replay_waits += 1
                 now = anyio.current_time()
@@ -618,18 +624,26 @@ class ZmqSink(Sink):
 _SEND_FRAME: Final = zmq.backend.Socket.send
 _MORE_NOW: Final = int(zmq.SNDMORE | zmq.NOBLOCK)
 _NOW: Final = int(zmq.NOBLOCK)
+#: Frames at least this big are lent to ZMQ rather than copied (pyzmq's own threshold).
+_ZERO_COPY_MIN: Final = 65536
 
 
-def _send_now(sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
+def _send_now(sock: zmq.Socket[bytes], frames: list[bytes], *, copy: bool = True) -> None:
     """Send one multipart message without blocking; ``zmq.Again`` when it cannot go now.
 
     A ZMQ message is atomic: when its first frame is refused (EAGAIN), nothing of
     it was queued; once the first frame is taken, the others are taken too.
+    ``copy=False`` lends large frames to ZMQ instead of copying them (pyzmq
+    keeps them alive until ZMQ is done with them).
     """
     send = _SEND_FRAME
     last = len(frames) - 1
     for i, frame in enumerate(frames):
-        send(sock, frame, _NOW if i == last else _MORE_NOW)
+        flags = _NOW if i == last else _MORE_NOW
+        if copy or len(frame) < _ZERO_COPY_MIN:
+            send(sock, frame, flags)
+        else:
+            send(sock, frame, flags, False)
 
 
 def _attach(sock: zmq.Socket[bytes], endpoint: str, bind: bool, what: str) -> str:
@@ -664,7 +678,7 @@ def sink_from_url(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> S
         "replay_max_bytes": opts.pop_size("replay_max_bytes", DEFAULT_REPLAY_MAX_BYTES),
         "replay_layout": opts.pop_choice("replay_layout", REPLAY_LAYOUTS, "topic"),
         "replay_timeout": opts.pop_float("replay_timeout", 30.0),
-        "replay_hwm": opts.pop_int("replay_hwm", 1000, minimum=0),
+        "replay_hwm": opts.pop_int("replay_hwm", DEFAULT_REPLAY_HWM, minimum=0),
     }
     if "bind" in opts:
         kwargs["bind"] = opts.pop_bool("bind")

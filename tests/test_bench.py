@@ -217,12 +217,28 @@ def test_render_and_svg_plot_without_matplotlib(
     assert "codec alone" in svg
 
 
+async def test_codec_batch_and_file_tiny() -> None:
+    report = await run_suite(TINY, only=["codec", "batch", "file"], quick=True)
+    _check_report(report, ["codec", "batch", "file"])
+    names = {t["target"] for t in report["targets"]}
+    assert any("[12.7] MsgpackCodec" in n for n in names)
+    assert any("[12.7] JsonCodec" in n for n in names)
+    assert any("[12.4]" in n for n in names)
+    assert {n for n in names if "[12.5]" in n} == {
+        "[12.5] FileSink pipeline over codec writing, tmpfs file",
+        "[12.5] FileSink pipeline over codec writing, /dev/null",
+    }
+
+
 def test_every_benchmark_is_listed() -> None:
     assert list(BENCHMARKS) == [
         "event",
+        "codec",
+        "batch",
         "efficiency",
         "host",
         "scaling",
+        "file",
         "zmq",
         "memory",
         "sinks",

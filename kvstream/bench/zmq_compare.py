@@ -23,6 +23,7 @@ arrived. The ring holds what it holds in a long-running publisher: it is sized
 from __future__ import annotations
 
 import json
+import resource
 import socket
 import statistics
 import time
@@ -212,6 +213,7 @@ async def _kvstream_run(
         await anyio.sleep(0.2)
         _arm(counter)
         before = sink.statistics().events_out
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         emit = s.emit
         tick = s.tick
         checkpoint = anyio.lowlevel.checkpoint
@@ -225,6 +227,7 @@ async def _kvstream_run(
         while sink.statistics().events_out < target:  # noqa: ASYNC110
             await anyio.sleep(0.0005)
         sample = meter.stop(events)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         stats = sink.statistics()
         got = _counts(counter, len(kchunks))
     return Sample(
@@ -236,6 +239,7 @@ async def _kvstream_run(
             "received_messages": got.get("messages", 0),
             "sent_messages": len(kchunks),
             "dropped_batches": stats.batches_dropped,
+            "faults_per_batch": faults / len(kchunks),
         },
     )
 
@@ -364,12 +368,24 @@ async def bench_zmq(
                 for a, b in zip(samples["ring"], samples["noring"], strict=True)
             )
             result.data[f"ring_us_per_event_{n}"] = ring_cost
+
+            def faults(runs: list[Sample]) -> float:
+                return statistics.median(
+                    float((x.extra or {}).get("faults_per_batch", 0)) for x in runs
+                )
+
+            result.data[f"ring_faults_per_batch_{n}"] = faults(samples["ring"])
+            result.data[f"noring_faults_per_batch_{n}"] = faults(samples["noring"])
             result.rows.append(
                 Row(
                     "zmq",
                     "replay ring's cost (ring on - ring off)",
                     f"{n}/batch",
-                    note=f"{ring_cost:+.3f} us/event; ring bound {ring_bytes / 2**20:.0f} MiB",
+                    note=(
+                        f"{ring_cost:+.3f} us/event; ring bound {ring_bytes / 2**20:.0f} MiB; "
+                        f"minor faults/batch {faults(samples['ring']):.1f} with ring, "
+                        f"{faults(samples['noring']):.1f} without"
+                    ),
                 )
             )
             result.targets.append(

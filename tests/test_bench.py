@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -66,7 +67,7 @@ def test_workload_has_the_issue_shape() -> None:
         assert all(type(h) is int and 0 <= h < 2**64 for h in e.block_hashes)
     assert max(t for e in pool for t in e.token_ids) >= 32_768  # the whole vocabulary
     assert any(e.parent_block_hash is None for e in pool)
-    assert any(e.parent_block_hash == p.block_hashes[-1] for p, e in zip(pool, pool[1:]))
+    assert any(e.parent_block_hash == p.block_hashes[-1] for p, e in itertools.pairwise(pool))
     # The second case: stores and removals from the simulated engine.
     mixed = event_pool(512, shape="mixed")
     mixed_stats = pool_stats(mixed)

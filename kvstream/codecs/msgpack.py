@@ -293,6 +293,9 @@ _TO_WIRE: Final[dict[tuple[str, bool], dict[type, _ToWire]]] = {
 }
 
 
+_MAP_TO_WIRE: Final = _TO_WIRE[("map", False)]
+
+
 # -- strict screening -------------------------------------------------------------------
 
 
@@ -532,6 +535,35 @@ class MsgpackCodec:
         if self.strict is not None:
             return self.encode_screened(batch)[0]
         to_wire = self._to_wire
+        if to_wire is _MAP_TO_WIRE:
+            # The common case inline (vLLM's current wire): no call per BlockStored.
+            events: list[Any] = []
+            append = events.append
+            stored_map = _StoredMap
+            for e in batch.events:
+                if type(e) is BlockStored:
+                    append(
+                        stored_map(
+                            e.block_hashes,
+                            e.parent_block_hash,
+                            e.token_ids,
+                            e.block_size,
+                            e.lora_id,
+                            e.medium,
+                            e.lora_name,
+                            e.extra_keys,
+                            e.group_idx,
+                            e.kv_cache_spec_kind,
+                            e.kv_cache_spec_sliding_window,
+                            e.locality,
+                        )
+                    )
+                else:
+                    convert = to_wire.get(type(e))
+                    if convert is None:
+                        raise TypeError(f"MsgpackCodec: expected a KV cache event, got {e!r:.80}")
+                    append(convert(e))
+            return _ENCODE(_WireBatch(batch.ts, events, batch.data_parallel_rank))
         try:
             events = [to_wire[type(e)](e) for e in batch.events]
         except KeyError:

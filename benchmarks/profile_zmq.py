@@ -1,18 +1,14 @@
 """Where the ZMQ comparison's time goes: a long run of one side, for a profiler.
 
-    py-spy record -f raw -o zmq.txt -- python benchmarks/profile_zmq.py --side kvstream
+    py-spy record -f raw -r 1000 -o zmq.txt -- python benchmarks/profile_zmq.py --side kvstream
+    python benchmarks/pyspy_top.py zmq.txt --within _kvstream_run
     python benchmarks/profile_zmq.py --side both --batch 16 --batches 3000
-    python benchmarks/profile_zmq.py --side kvstream --sync-send      # the experiment below
+    python benchmarks/profile_zmq.py --side kvstream --ring-mib 64      # replay ring on
 
 Publishes ``--batches`` pre-built batches of ``--batch`` events, as
-``benchmarks/bench_vllm_zmq.py`` does (same workload, same counting subscriber
+``kvstream bench --only zmq`` does (same workload, same counting subscriber
 process), ``--repeat`` times per side, and prints CPU microseconds per batch
 and per event (median). With ``--side both`` the sides alternate.
-
-``--sync-send`` is an experiment, not kvstream's behaviour: it hands the ZMQ
-sink a socket whose ``send_multipart`` goes through a synchronous shadow of its
-zmq.asyncio socket (same underlying socket, ``NOBLOCK``), so a send creates no
-asyncio Future. It measures what zmq.asyncio's send path costs per batch.
 """
 
 from __future__ import annotations
@@ -31,39 +27,12 @@ from kvstream.bench.workload import batches, chunks, event_pool
 from kvstream.bench.zmq_compare import _baseline_run, _kvstream_run, free_tcp_port
 
 
-class _SyncSendSocket:
-    """Delegates to a zmq.asyncio socket, but sends through a synchronous shadow."""
-
-    def __init__(self, asocket: Any) -> None:
-        import zmq
-
-        self._asocket = asocket
-        self._shadow: Any = zmq.Socket.shadow(asocket.underlying)
-
-    async def send_multipart(self, frames: Any, flags: int = 0, **kw: Any) -> None:
-        self._shadow.send_multipart(frames, flags=flags, **kw)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._asocket, name)
-
-
-def _patch_sync_send() -> None:
-    from kvstream.sinks.zmq import ZmqSink
-
-    original = ZmqSink.open
-
-    async def open_then_wrap(self: Any) -> None:
-        await original(self)
-        self._pub = _SyncSendSocket(self._pub)
-
-    ZmqSink.open = open_then_wrap  # type: ignore[method-assign]
-
-
 async def main(args: argparse.Namespace) -> None:
     pool = event_pool(4096)
     gc.collect()
     gc.freeze()
     n, count = args.batch, args.batches
+    ring_bytes = args.ring_mib * 1024 * 1024 or None
     kchunks = chunks(pool, n, count)
     cache: dict[int, Any] = {}
     vbatches = [to_vllm_batch(b, cache) for b in batches(pool, n, count)]
@@ -77,7 +46,9 @@ async def main(args: argparse.Namespace) -> None:
         for _ in range(args.repeat):
             if args.side in ("kvstream", "both"):
                 runs["kvstream"].append(
-                    await _kvstream_run(kv_endpoint, kv_counter, kchunks, n * count, pool[:1])
+                    await _kvstream_run(
+                        kv_endpoint, kv_counter, kchunks, n * count, pool[:1], ring_bytes
+                    )
                 )
             if args.side in ("baseline", "both"):
                 runs["vllm-design"].append(
@@ -103,8 +74,5 @@ if __name__ == "__main__":
     p.add_argument("--batch", type=int, default=16, help="events per batch (16)")
     p.add_argument("--batches", type=int, default=20_000, help="batches per run (20000)")
     p.add_argument("--repeat", type=int, default=3, help="runs per side (3)")
-    p.add_argument("--sync-send", action="store_true", help="the experiment (see above)")
-    arguments = p.parse_args()
-    if arguments.sync_send:
-        _patch_sync_send()
-    anyio.run(main, arguments)
+    p.add_argument("--ring-mib", type=int, default=0, help="replay ring bound, MiB (0: off)")
+    anyio.run(main, p.parse_args())

@@ -517,9 +517,13 @@ class EventBatch:
     ``(origin, epoch, seq)`` names a batch for ever: ``seq`` counts batches from 0
     within an epoch, and a new ``epoch`` (drawn when a scheduler starts) tells
     consumers that the producer restarted.
+
+    A batch is a frozen value: its attributes cannot be rebound, and nothing is
+    cached on it (encodings live in the sinks' encoding group). ``events`` is the
+    list the batch was sealed with; treat it as read-only.
     """
 
-    __slots__ = ("_encoded", "data_parallel_rank", "epoch", "events", "origin", "seq", "ts")
+    __slots__ = ("data_parallel_rank", "epoch", "events", "origin", "seq", "ts")
 
     seq: int
     ts: float
@@ -564,13 +568,12 @@ class EventBatch:
             raise InvalidEventTypeError(f"EventBatch.origin: expected a str, got {shorten(origin)}")
         if type(epoch) is not str:
             raise InvalidEventTypeError(f"EventBatch.epoch: expected a str, got {shorten(epoch)}")
-        self.seq = seq
-        self.ts = ts
-        self.events = events
-        self.data_parallel_rank = data_parallel_rank
-        self.origin = origin
-        self.epoch = epoch
-        self._encoded: dict[object, tuple[bytes, tuple[Any, ...]]] | None = None
+        _SET_SEQ(self, seq)
+        _SET_TS(self, ts)
+        _SET_EVENTS(self, events)
+        _SET_RANK(self, data_parallel_rank)
+        _SET_ORIGIN(self, origin)
+        _SET_EPOCH(self, epoch)
 
     @classmethod
     def _trusted(
@@ -584,14 +587,39 @@ class EventBatch:
     ) -> EventBatch:
         """Build without checks: for the scheduler, whose inputs are already valid."""
         self = cls.__new__(cls)
-        self.seq = seq
-        self.ts = ts
-        self.events = events
-        self.data_parallel_rank = data_parallel_rank
-        self.origin = origin
-        self.epoch = epoch
-        self._encoded = None
+        _SET_SEQ(self, seq)
+        _SET_TS(self, ts)
+        _SET_EVENTS(self, events)
+        _SET_RANK(self, data_parallel_rank)
+        _SET_ORIGIN(self, origin)
+        _SET_EPOCH(self, epoch)
         return self
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in EventBatch.__slots__:
+            raise AttributeError(f"EventBatch is frozen: cannot set {name!r} (use replace())")
+        object.__setattr__(self, name, value)  # a subclass's own fields
+
+    def __delattr__(self, name: str) -> None:
+        if name in EventBatch.__slots__:
+            raise AttributeError(f"EventBatch is frozen: cannot delete {name!r}")
+        object.__delattr__(self, name)
+
+    def replace(self, **changes: Any) -> EventBatch:
+        """A copy of this batch with ``changes`` applied (validated as a new batch)."""
+        fields: dict[str, Any] = {
+            "seq": self.seq,
+            "ts": self.ts,
+            "events": self.events,
+            "data_parallel_rank": self.data_parallel_rank,
+            "origin": self.origin,
+            "epoch": self.epoch,
+        }
+        unknown = changes.keys() - fields.keys()
+        if unknown:
+            raise TypeError(f"EventBatch.replace: unknown field(s) {sorted(unknown)!r}")
+        fields.update(changes)
+        return EventBatch(**fields)
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -621,3 +649,13 @@ class EventBatch:
             f"ts={self.ts!r}, data_parallel_rank={self.data_parallel_rank!r}, "
             f"events=<{len(self.events)} events>)"
         )
+
+
+# The slots' own setters: EventBatch refuses attribute assignment, so it is built
+# through these (faster than object.__setattr__).
+_SET_SEQ: Final = EventBatch.__dict__["seq"].__set__
+_SET_TS: Final = EventBatch.__dict__["ts"].__set__
+_SET_EVENTS: Final = EventBatch.__dict__["events"].__set__
+_SET_RANK: Final = EventBatch.__dict__["data_parallel_rank"].__set__
+_SET_ORIGIN: Final = EventBatch.__dict__["origin"].__set__
+_SET_EPOCH: Final = EventBatch.__dict__["epoch"].__set__

@@ -4,8 +4,16 @@
 host's ``emit`` buffer first, then the polled connectors and async sources of
 each origin in the order they were added), swaps buffers, seals one
 :class:`~kvstream.events.EventBatch` per origin with pending events, and offers
-each batch to every sink's outbox. It encodes nothing, does no I/O, and awaits
-only when a sink whose policy is ``block`` is full.
+each batch to every sink. Handing a batch over encodes it, once per codec
+(the scheduler's :class:`~kvstream.sinks.encoding.EncodingGroup` shares the
+bytes between sinks with equal codecs), and a sink whose transport has room
+writes it at once (``Sink.send_nowait``); the others queue it for their writer
+task. The tick does no other I/O and awaits only when a sink whose policy is
+``block`` is full.
+
+A tick cancelled while it waits never loses a batch it sealed: the batch stays
+in the dispatch backlog, in order, and the next tick (or ``aclose``) hands it on;
+a sink that is closed before it gets a batch counts that batch as dropped.
 
 Everything with a lifetime runs in the scheduler's task group: the aiostream
 merge driving the async sources, one lifetime task per sink, the ticker.
@@ -29,6 +37,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from kvstream.errors import ClosedError, ConfigError, InvalidEventTypeError
 from kvstream.events import EventBatch, KVCacheEvent
 from kvstream.sinks.base import DeliveryReport, Sink, SinkStatistics
+from kvstream.sinks.encoding import EncodingGroup
 from kvstream.sources.base import (
     AsyncSource,
     PolledConnector,
@@ -158,6 +167,8 @@ class Scheduler:
         self._max_pending = max_pending_events
         self.close_timeout = close_timeout
         self._sinks: list[Sink] = []
+        #: One encoding per distinct codec, shared by the sinks using it.
+        self._encodings = EncodingGroup()
         self._own = _Origin(self.origin, data_parallel_rank)
         self._origins: dict[str, _Origin] = {self.origin: self._own}
         self._handles: list[SourceHandle] = []
@@ -194,6 +205,7 @@ class Scheduler:
         self._forgotten_accepted = 0
         for sink in sinks:
             self._register_sink(sink)
+            self._sinks.append(sink)
 
     # -- lifetime -----------------------------------------------------------------
 
@@ -273,9 +285,11 @@ class Scheduler:
         self._flushing = True
         if self._put_scope is not None:
             self._put_scope.cancel()
-        # A last tick: everything accepted so far becomes a batch.
-        with anyio.move_on_after(max(deadline - anyio.current_time(), 0)):
-            await self._tick()
+        # A last tick: everything accepted so far becomes a batch. (A scheduler
+        # never entered accepted nothing: emit() and tick() refused.)
+        if self._tg is not None:
+            with anyio.move_on_after(max(deadline - anyio.current_time(), 0)):
+                await self._tick()
         for h in self._handles:
             h.cancel()
         if self._tg is not None:
@@ -286,6 +300,11 @@ class Scheduler:
                 await self._merger_done.wait()
                 if any(h.buffer for h in self._handles):
                     await self._tick()
+        # Whatever a cancelled tick (or the deadline) left in the backlog reaches
+        # every sink now: offers are forced, so this cannot wait for room.
+        with anyio.CancelScope(shield=True):
+            await self._wait_dispatched(self._tickets)
+        self._encodings.forget()
         self._drain_deadline = deadline
         self._closing.set()
         if self._tg is None:  # never started: sinks were not opened
@@ -423,8 +442,8 @@ class Scheduler:
         No await: the events are in the next tick's batch, ahead of every
         connector's events of that tick.
         """
-        if self._closed:
-            raise ClosedError("emit: the scheduler is closed")
+        if not self._running():
+            raise self._refusal("emit")
         state = self._own if origin is None else self._origin(origin)
         if isinstance(events, KVCacheEvent):
             state.emitted.append(events)
@@ -440,24 +459,17 @@ class Scheduler:
             raise ClosedError("add_sink: the scheduler is closed")
         self._register_sink(sink)
         if self._tg is not None:
-            try:
-                await self._tg.start(self._sink_lifetime, sink, name=f"kvstream sink {sink.name}")
-            except BaseException:
-                self._sinks.remove(sink)
-                raise
+            # The sink gets batches once it is open: ticks meanwhile pass it by.
+            await self._tg.start(self._sink_lifetime, sink, name=f"kvstream sink {sink.name}")
+        self._sinks.append(sink)
 
     def _register_sink(self, sink: Sink) -> None:
         if not isinstance(sink, Sink):
             raise InvalidEventTypeError(f"sinks: expected a Sink, got {type(sink).__name__}")
         if sink in self._sinks:
             raise ConfigError(f"sink {sink.name!r} was added twice")
-        # Share encodings (and what they teach about sizes) between sinks whose
-        # codecs are equal.
-        for other in self._sinks:
-            if other.codec is not None and other.codec == sink.codec:
-                other.share_encoding = sink.share_encoding = True
-                sink._size_model = other._size_model
-        self._sinks.append(sink)
+        # Sinks whose codecs are equal share one encoding of every batch.
+        sink.use_encoding(self._encodings.encoding_for(sink.codec))
         # Sinks that serve snapshots (the socket sink) need the tick barrier.
         bind = getattr(sink, "bind_barrier", None)
         if callable(bind):
@@ -479,9 +491,22 @@ class Scheduler:
         Returns this engine's own batch, or None when it had nothing pending (no
         sequence number is used then).
         """
-        if self._closed:
-            raise ClosedError("tick: the scheduler is closed")
+        if not self._running():
+            raise self._refusal("tick")
         return await self._tick()
+
+    def _running(self) -> bool:
+        return self._tg is not None and not self._closed
+
+    def _refusal(self, what: str) -> ClosedError:
+        if self._closed:
+            return ClosedError(f"{what}: the scheduler is closed")
+        if not self._entered:
+            return ClosedError(
+                f"{what}: the scheduler was never entered; use it as "
+                "`async with Scheduler(...) as s:` (nothing it took could be delivered)"
+            )
+        return ClosedError(f"{what}: the scheduler is still starting")
 
     async def _tick(self) -> EventBatch | None:
         self._ticks += 1
@@ -489,8 +514,12 @@ class Scheduler:
         if self._at_barrier:
             self._run_barrier_callbacks()
         if not batches:
+            if self._backlog and not self._dispatching:
+                # A cancelled tick left batches behind: hand them on now.
+                await self._wait_dispatched(self._tickets)
             return None
-        await self._dispatch(batches)
+        if not self._dispatch_now(batches):
+            await self._wait_dispatched(self._tickets)
         own = batches[0]
         return own if own.origin == self.origin else None
 
@@ -552,21 +581,29 @@ class Scheduler:
                 self._handles.remove(h)
                 self._origins[h.origin].inputs.remove(h)
 
-    async def _dispatch(self, batches: list[EventBatch]) -> None:
+    def _dispatch_now(self, batches: list[EventBatch]) -> bool:
+        """Hand ``batches`` to every sink without waiting, if nothing is queued ahead.
+
+        Returns False when some ``block`` sink is full (or batches of an earlier
+        tick still wait): what was not handed over is then in the backlog, and
+        the caller awaits :meth:`_wait_dispatched`.
+        """
+        if self._backlog or self._dispatching:
+            self._enqueue(batches, 0)
+            return False
         sinks = self._sinks
-        if not self._backlog and not self._dispatching:
-            # Fast path: every outbox has room (or a drop policy); no await.
-            for n, batch in enumerate(batches):
-                for i, sink in enumerate(sinks):
-                    if sink.closed:  # closed by its owner: it takes nothing more
-                        continue
-                    if not sink.offer(batch, force=self._flushing):
-                        self._enqueue(batches[n:], i)
-                        await self._wait_dispatched(self._tickets)
-                        return
-            return
-        self._enqueue(batches, 0)
-        await self._wait_dispatched(self._tickets)
+        force = self._flushing
+        for n, batch in enumerate(batches):
+            for i, sink in enumerate(sinks):
+                if not sink.accepting:  # closed by its owner: it takes nothing more
+                    sink.count_missed(batch, "the sink was closed before the batch")
+                    continue
+                if not sink.offer(batch, force=force):
+                    self._enqueue(batches[n:], i)
+                    return False
+        # Every sink has the bytes it needs: let them go (memory is reused).
+        self._encodings.forget()
+        return True
 
     def _enqueue(self, batches: list[EventBatch], first_sink: int) -> None:
         for k, batch in enumerate(batches):
@@ -596,8 +633,10 @@ class Scheduler:
                     i = entry[1]
                     while i < len(sinks):
                         sink = sinks[i]
-                        if sink.closed:
+                        if not sink.accepting:
+                            sink.count_missed(batch, "the sink was closed before the batch")
                             i += 1
+                            entry[1] = i
                             continue
                         if not sink.offer(batch, force=self._flushing):
                             entry[1] = i
@@ -617,6 +656,8 @@ class Scheduler:
                 progress.set()
         if not self._backlog:
             self._dispatched = self._tickets
+            if not self._dispatching:
+                self._encodings.forget()
 
     # -- introspection ------------------------------------------------------------
 

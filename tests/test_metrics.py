@@ -66,7 +66,7 @@ async def test_scrape_a_running_pipeline_over_http() -> None:
             scheduler.emit(stored(i + 1))
             await scheduler.tick()
         with anyio.fail_after(10):
-            while sink.statistics().batches_out < 3 or scheduler.statistics().pending_events:
+            while sink.statistics().events_out < 5 or scheduler.statistics().pending_events:
                 await anyio.sleep(0.01)
                 await scheduler.tick()
         async with MetricsServer(StatisticsCollector(scheduler), "127.0.0.1:0") as server:

@@ -82,10 +82,9 @@ def test_snapshot_rebuilds_the_state() -> None:
     ).held["snap"]
     assert rebuilt == live
     # And the stream continues consistently after the snapshot.
-    later = _batches(engine, 20, origin="snap")
-    for i, b in enumerate(later):
-        b.seq = i + 1
-        b.epoch = "s"
+    later = [
+        b.replace(seq=i + 1, epoch="s") for i, b in enumerate(_batches(engine, 20, origin="snap"))
+    ]
     check_consistency([EventBatch(seq=0, ts=0.0, events=snap, origin="snap", epoch="s"), *later])
 
 

@@ -30,6 +30,7 @@ from kvstream import (
     SinkStatistics,
     TransportError,
 )
+from kvstream.codecs.base import Refusal
 from kvstream.consumers import SequenceTracker
 
 pytestmark = pytest.mark.usefixtures("no_leaked_tasks")
@@ -110,8 +111,14 @@ class CountingCodec:
         self.counter.append(batch)
         return self._json.encode(batch)
 
+    def encode_screened(self, batch: EventBatch) -> tuple[bytes, tuple[Refusal, ...]]:
+        return self.encode(batch), ()
+
     def decode(self, data: bytes) -> EventBatch:
         return self._json.decode(data)
+
+    def decode_keyed(self, data: bytes, *, seq: int, origin: str, epoch: str) -> EventBatch:
+        return self._json.decode_keyed(data, seq=seq, origin=origin, epoch=epoch)
 
 
 class RecordingSink(Sink):
@@ -498,12 +505,13 @@ async def test_sinks_with_equal_codecs_share_one_encoding_per_batch() -> None:
         for i in range(4):
             s.emit(BlockRemoved(block_hashes=[i]))
             await s.tick()
-            assert len(encoded) <= i  # never encoded on the tick itself
-    assert [b.seq for b in encoded] == [0, 1, 2, 3]  # once per batch for three sinks
+            assert len(encoded) == i + 1  # encoded on the tick, once for three sinks
+    assert [b.seq for b in encoded] == [0, 1, 2, 3]
     assert [b.seq for b in other] == [0, 1, 2, 3]
     assert sinks[0].data == sinks[1].data == sinks[2].data == odd.data
-    assert all(sk.share_encoding for sk in sinks)
-    assert not odd.share_encoding
+    assert sinks[0].encoding is sinks[1].encoding is sinks[2].encoding
+    assert sinks[0].encoding.users == 3
+    assert odd.encoding is not sinks[0].encoding
 
 
 async def test_sinks_with_different_codecs_get_their_own_bytes() -> None:
@@ -589,13 +597,22 @@ async def test_drain_timeout_reports_what_was_not_delivered(
     assert any("3 batches (6 events) not delivered" in r.getMessage() for r in caplog.records)
 
 
-async def test_a_sink_that_never_started_reports_everything_queued() -> None:
+async def test_a_sink_never_entered_or_closed_refuses_batches_naming_what_to_do() -> None:
     sink = MemorySink()
-    sink.offer(batch(0))
-    sink.offer(batch(1, n_events=4))
-    report = await sink.drain(1.0)
-    assert (report.undelivered_batches, report.undelivered_events) == (2, 5)
+    with pytest.raises(ClosedError, match=r"never entered.*async with sink"):
+        sink.offer(batch(0))
+    with pytest.raises(ClosedError, match="never entered"):
+        await sink.put(batch(0))
+    report = await sink.drain(1.0)  # nothing was taken, so nothing is owed
+    assert (report.undelivered_batches, report.undelivered_events) == (0, 0)
     await sink.aclose()
+    with pytest.raises(ClosedError, match="never entered"):
+        sink.offer(batch(0))
+    async with MemorySink() as used:
+        used.offer(batch(0))
+    with pytest.raises(ClosedError, match="the sink is closed"):
+        used.offer(batch(1))
+    assert used.statistics().batches_out == 1
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 * :class:`NullSink` encodes (the base class does, with its codec) and discards,
   counting events, and sets :attr:`NullSink.done` once it has seen a target.
+  Its transport always has room: batches are "written" inline from the tick.
 * :func:`free_source` yields pre-built chunks and awaits once between chunks,
   as a connector doing real work would.
 * :class:`Gate` paces sources to one chunk per tick (:func:`paced_source`), for
@@ -47,10 +48,14 @@ class NullSink(Sink):
             self.done.set()
 
     async def send(self, data: bytes, batch: EventBatch) -> None:
+        self.send_nowait(data, batch)
+
+    def send_nowait(self, data: bytes, batch: EventBatch) -> bool:
         self.nbytes += len(data)
         self.received += len(batch.events)
         if self.received >= self.target:
             self.done.set()
+        return True
 
 
 class Countdown:

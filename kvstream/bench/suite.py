@@ -18,7 +18,9 @@ from dataclasses import asdict
 from importlib import metadata
 from typing import Any, Protocol
 
+from kvstream.bench.codec_cost import bench_batch_cost, bench_codecs
 from kvstream.bench.event_cost import bench_event_cost
+from kvstream.bench.file_pipeline import bench_file
 from kvstream.bench.index_runner import bench_index
 from kvstream.bench.memory import bench_memory
 from kvstream.bench.per_sink import SINK_NAMES, bench_sinks
@@ -37,10 +39,13 @@ Bench = Callable[[list[KVCacheEvent], Sizes, Callable[[], None] | None], Awaitab
 #: Every benchmark, in the order the suite runs them (issue items in brackets).
 BENCHMARKS: dict[str, str] = {
     "event": "making one event vs orjson and a msgspec Struct [3]",
+    "codec": "codecs' encode vs msgspec and orjson on the same content [12.7]",
+    "batch": "per batch on the host's loop beyond encoding [12.4]",
     "efficiency": "pipeline vs codec alone, by events per tick [1]",
     "host": "tick() latency, CPU per event, emit [3]",
     "scaling": "sources and sinks [4]",
-    "zmq": "ZMQ sink vs vLLM's publisher design [2]",
+    "file": "file sink pipeline vs the JSON codec writing [12.5]",
+    "zmq": "ZMQ sink vs vLLM's publisher design and the floor [12.3, 12.6]",
     "memory": "RSS with a stalled sink, per policy [5]",
     "sinks": "events/s and MB/s per sink [6]",
     "index": "prefix index (benchmarks/bench_index.py) [7]",
@@ -48,9 +53,12 @@ BENCHMARKS: dict[str, str] = {
 
 _FUNCS: dict[str, Bench] = {
     "event": bench_event_cost,
+    "codec": bench_codecs,
+    "batch": bench_batch_cost,
     "efficiency": bench_efficiency,
     "host": bench_host_cost,
     "scaling": bench_scaling,
+    "file": bench_file,
     "zmq": bench_zmq,
     "memory": bench_memory,
     "sinks": bench_sinks,
@@ -78,8 +86,14 @@ def units(name: str, sizes: Sizes) -> int:
         return 2 * runs * 2 + 1
     if name == "scaling":
         return runs * (len(sizes.sources) + len([k for k in sizes.sinks if k != 1]))
+    if name == "codec":
+        return max(runs, 3) * 2
+    if name == "batch":
+        return max(runs, 3)
+    if name == "file":
+        return runs * 4
     if name == "zmq":
-        return len(sizes.zmq_batch_sizes) * runs * 2
+        return len(sizes.zmq_batch_sizes) * runs * 4
     if name == "memory":
         return 3
     if name == "sinks":

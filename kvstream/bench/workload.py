@@ -1,13 +1,21 @@
-"""The benchmarks' one workload: realistic events, pre-built before anything is timed.
+"""The benchmarks' workloads: realistic events, pre-built before anything is timed.
 
-Events come from the simulated engine (:mod:`kvstream.sim`): real chained sha256
-block hashes, real token ids, GPU evictions spilling to a CPU tier and a remote
-store. Every ``BlockStored`` run the engine makes is cut into events of exactly
-``blocks_per_event`` blocks (16 by default, so 256 token ids each; shorter tails
-are left out) and every ``BlockRemoved`` is kept as the engine made it. The
-result is a pool with the shape the issue asks for (16-block stores plus
-removals); cutting runs breaks parent links, so the pool is a *shape* workload,
-not a stream a consistency checker would accept.
+Two shapes (:func:`event_pool`'s ``shape``):
+
+* ``"vllm"``, the main case: every event a ``BlockStored`` shaped as vLLM emits
+  it from its block pool: 16 block hashes (the low 64 bits of chained sha256
+  digests, as vLLM's default hashing gives), 256 token ids drawn uniformly from
+  a 151,936-token vocabulary (Qwen's), ``block_size`` 16, ``medium="GPU"``,
+  ``extra_keys=[None] * 16``, ``group_idx=0`` and
+  ``kv_cache_spec_kind="full_attention"``. Chains run for a few events, then a
+  new request starts one at the root.
+* ``"mixed"``, the second case: events from the simulated engine
+  (:mod:`kvstream.sim`): real chained block hashes, GPU evictions spilling to a
+  CPU tier and a remote store. Every ``BlockStored`` run the engine makes is cut
+  into events of exactly ``blocks_per_event`` blocks (shorter tails are left
+  out) and every ``BlockRemoved`` is kept as the engine made it: stores and
+  removals. Cutting runs breaks parent links, so it is a *shape* workload, not a
+  stream a consistency checker would accept.
 
 Benchmarks cycle through the pool (:func:`chunks`, :func:`batches`): the lists
 are built up front and hold references to the pool's events, so generating the
@@ -16,10 +24,12 @@ workload is never timed and cycling it does not grow memory.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, Literal, TypeAlias
 
 from kvstream.errors import ConfigError
 from kvstream.events import BlockRemoved, BlockStored, EventBatch, KVCacheEvent
@@ -28,7 +38,9 @@ from kvstream.sim import SimulatedEngine, Workload
 __all__ = [
     "EPOCH",
     "ORIGIN",
+    "VOCAB_SIZE",
     "PoolStats",
+    "Shape",
     "batches",
     "chunks",
     "event_pool",
@@ -40,7 +52,47 @@ __all__ = [
 ORIGIN = "bench-0"
 EPOCH = "0123456789abcdef"
 
-_POOLS: dict[tuple[int, int, int, int], list[KVCacheEvent]] = {}
+#: The vocabulary token ids are drawn from (Qwen2's, 151,936 tokens).
+VOCAB_SIZE: Final = 151_936
+_U64: Final = (1 << 64) - 1
+
+Shape: TypeAlias = Literal["vllm", "mixed"]
+
+_POOLS: dict[tuple[str, int, int, int, int], list[KVCacheEvent]] = {}
+
+
+def _vllm_pool(n_events: int, seed: int, blocks: int, block_size: int) -> list[KVCacheEvent]:
+    rnd = random.Random(seed)
+    vocab = range(VOCAB_SIZE)
+    pool: list[KVCacheEvent] = []
+    parent: int | None = None
+    while len(pool) < n_events:
+        if rnd.random() < 0.25:  # a new request: its chain starts at the root
+            parent = None
+        tokens = rnd.choices(vocab, k=blocks * block_size)
+        hashes: list[int | bytes] = []
+        prev = parent
+        for b in range(blocks):
+            block = tokens[b * block_size : (b + 1) * block_size]
+            digest = hashlib.sha256(repr((prev, block)).encode()).digest()
+            prev = int.from_bytes(digest, "big") & _U64
+            hashes.append(prev)
+        pool.append(
+            BlockStored(
+                block_hashes=hashes,
+                parent_block_hash=parent,
+                token_ids=tokens,
+                block_size=block_size,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+                extra_keys=[None] * blocks,
+                group_idx=0,
+                kv_cache_spec_kind="full_attention",
+            )
+        )
+        parent = prev
+    return pool
 
 
 def _cut(event: BlockStored, blocks: int) -> Iterator[BlockStored]:
@@ -62,20 +114,30 @@ def _cut(event: BlockStored, blocks: int) -> Iterator[BlockStored]:
 
 
 def event_pool(
-    n_events: int = 8192, *, seed: int = 0, blocks_per_event: int = 16, block_size: int = 16
+    n_events: int = 8192,
+    *,
+    seed: int = 0,
+    blocks_per_event: int = 16,
+    block_size: int = 16,
+    shape: Shape = "vllm",
 ) -> list[KVCacheEvent]:
-    """``n_events`` realistic events, in the engine's order; cached per arguments.
+    """``n_events`` realistic events of ``shape`` (see the module doc); cached per arguments.
 
-    Builds take about a second per 10k events (the engine hashes every block).
+    Builds take about a second per 10k events (every block is hashed).
     """
     if n_events <= 0 or blocks_per_event <= 0 or block_size <= 0:
         raise ConfigError(
             f"event_pool: expected positive sizes, got n_events={n_events}, "
             f"blocks_per_event={blocks_per_event}, block_size={block_size}"
         )
-    key = (n_events, seed, blocks_per_event, block_size)
+    if shape not in ("vllm", "mixed"):
+        raise ConfigError(f"event_pool: shape: expected 'vllm' or 'mixed', got {shape!r}")
+    key = (shape, n_events, seed, blocks_per_event, block_size)
     pool = _POOLS.get(key)
     if pool is not None:
+        return pool
+    if shape == "vllm":
+        pool = _POOLS[key] = _vllm_pool(n_events, seed, blocks_per_event, block_size)
         return pool
     # Long turns, so most runs of new blocks are at least one 16-block event long.
     workload = Workload(seed=seed, block_size=block_size, turn_tokens=(128, 512))

@@ -23,9 +23,10 @@ from __future__ import annotations
 import operator
 from typing import Any, Final
 
+import msgspec
 import orjson
 
-from kvstream.codecs.msgpack import Refusal
+from kvstream.codecs.base import Refusal
 from kvstream.codecs.refusals import RefusalLog
 from kvstream.errors import DecodeError, KVStreamError
 from kvstream.events import (
@@ -96,6 +97,148 @@ def _read_hash(value: Any, decimal: bool) -> Any:
     if t is dict:
         return _unwrap_bytes(value)
     return value
+
+
+# -- encoding: msgspec structs laid out as the lines are ---------------------------------
+#
+# ``encode`` writes each event through a struct whose fields are the line's keys
+# in the line's order: the fields vLLM always sends have no default (always
+# written), the optional ones and ``metadata`` default to None (left out when
+# None). msgspec writes this faster than orjson writes the equivalent dict, and
+# the same bytes: what msgspec would write differently is handed over already
+# written by orjson (``msgspec.Raw``): floats with a large exponent (``1e+16``,
+# in ``ts``, ``metadata`` or ``extra_keys``), metadata, and extra keys with
+# values in them. Bytes (which msgspec would write as base64) are turned into
+# hex strings first.
+
+
+class _Stored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True, gc=False):
+    block_hashes: Any
+    parent_block_hash: Any
+    token_ids: Any
+    block_size: int
+    lora_id: Any
+    medium: Any
+    lora_name: Any
+    extra_keys: Any = None
+    group_idx: Any = None
+    kv_cache_spec_kind: Any = None
+    kv_cache_spec_sliding_window: Any = None
+    locality: Any = None
+    metadata: Any = None
+
+
+class _Removed(msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True, gc=False):
+    block_hashes: Any
+    medium: Any
+    group_idx: Any = None
+    locality: Any = None
+    metadata: Any = None
+
+
+class _Cleared(
+    msgspec.Struct, tag="AllBlocksCleared", tag_field="type", omit_defaults=True, gc=False
+):
+    metadata: Any = None
+
+
+class _Line(msgspec.Struct, gc=False):
+    origin: str
+    epoch: str
+    seq: int
+    ts: Any
+    data_parallel_rank: Any
+    events: list[Any]
+
+
+class _DecimalLine(_Line):
+    hash_encoding: str = "decimal"
+
+
+_CLEARED: Final = _Cleared()
+_INT: Final = frozenset((int,))
+
+
+def _index_hook(value: Any) -> Any:
+    try:
+        return operator.index(value)  # numpy integers and the like, as _default does
+    except TypeError:
+        raise TypeError(f"cannot encode {type(value).__name__} as JSON") from None
+
+
+_ENCODE: Final = msgspec.json.Encoder(enc_hook=_index_hook).encode
+
+
+def _raw(value: Any) -> msgspec.Raw:
+    return msgspec.Raw(orjson.dumps(value, default=_default))
+
+
+def _ts(ts: float) -> Any:
+    # msgspec writes 1e16 where orjson (and the lines so far) write 1e+16.
+    return ts if -1e15 < ts < 1e15 else _raw(ts)
+
+
+def _hex_hashes(hashes: list[Any]) -> list[Any]:
+    return [h.hex() if type(h) is bytes else h for h in hashes]
+
+
+def _stored_line(e: BlockStored, decimal: bool) -> _Stored:
+    hashes: Any = e.block_hashes
+    parent: Any = e.parent_block_hash
+    if decimal:
+        hashes = [_decimal_hash(h) for h in hashes]
+        if parent is not None:
+            parent = _decimal_hash(parent)
+    else:
+        if not _INT.issuperset(map(type, hashes)):
+            hashes = _hex_hashes(hashes)
+        if type(parent) is bytes:
+            parent = parent.hex()
+    extra: Any = e.extra_keys
+    if extra is not None and extra.count(None) != len(extra):
+        extra = _raw(_wrap_bytes(extra))
+    metadata: Any = e.metadata
+    if metadata is not None:
+        metadata = _raw(metadata)
+    return _Stored(
+        hashes,
+        parent,
+        e.token_ids,
+        e.block_size,
+        e.lora_id,
+        e.medium,
+        e.lora_name,
+        extra,
+        e.group_idx,
+        e.kv_cache_spec_kind,
+        e.kv_cache_spec_sliding_window,
+        e.locality,
+        metadata,
+    )
+
+
+def _removed_line(e: BlockRemoved, decimal: bool) -> _Removed:
+    hashes: Any = e.block_hashes
+    if decimal:
+        hashes = [_decimal_hash(h) for h in hashes]
+    elif not _INT.issuperset(map(type, hashes)):
+        hashes = _hex_hashes(hashes)
+    metadata = e.metadata
+    return _Removed(
+        hashes, e.medium, e.group_idx, e.locality, None if metadata is None else _raw(metadata)
+    )
+
+
+def _event_line(e: KVCacheEvent, decimal: bool) -> Any:
+    t = type(e)
+    if t is BlockStored:
+        return _stored_line(e, decimal)  # type: ignore[arg-type]
+    if t is BlockRemoved:
+        return _removed_line(e, decimal)  # type: ignore[arg-type]
+    if t is AllBlocksCleared:
+        metadata = e.metadata  # type: ignore[attr-defined]
+        return _CLEARED if metadata is None else _Cleared(_raw(metadata))
+    raise TypeError(f"JsonCodec: expected a KV cache event, got {e!r:.80}")
 
 
 class JsonCodec:
@@ -191,10 +334,53 @@ class JsonCodec:
         return d
 
     def encode(self, batch: EventBatch) -> bytes:
-        """One JSON line (ending in ``\\n``) for ``batch``."""
-        return orjson.dumps(
-            self.batch_to_dict(batch), default=_default, option=orjson.OPT_APPEND_NEWLINE
+        """One JSON line (ending in ``\\n``) for ``batch``.
+
+        The same bytes as ``orjson.dumps(self.batch_to_dict(batch))`` plus the
+        newline, written faster (see the structs above).
+        """
+        decimal = self._decimal
+        events: list[Any] = []
+        append = events.append
+        for e in batch.events:
+            if type(e) is BlockStored and not decimal:
+                # The common event, inline: every hash an int, no extras to write.
+                hashes = e.block_hashes
+                parent = e.parent_block_hash
+                extra = e.extra_keys
+                metadata = e.metadata
+                if (
+                    type(parent) is not bytes
+                    and (extra is None or extra.count(None) == len(extra))
+                    and metadata is None
+                    and _INT.issuperset(map(type, hashes))
+                ):
+                    append(
+                        _Stored(
+                            hashes,
+                            parent,
+                            e.token_ids,
+                            e.block_size,
+                            e.lora_id,
+                            e.medium,
+                            e.lora_name,
+                            extra,
+                            e.group_idx,
+                            e.kv_cache_spec_kind,
+                            e.kv_cache_spec_sliding_window,
+                            e.locality,
+                        )
+                    )
+                    continue
+            append(_event_line(e, decimal))
+        line = (_DecimalLine if decimal else _Line)(
+            batch.origin, batch.epoch, batch.seq, _ts(batch.ts), batch.data_parallel_rank, events
         )
+        return _ENCODE(line) + b"\n"
+
+    def encode_screened(self, batch: EventBatch) -> tuple[bytes, tuple[Refusal, ...]]:
+        """``(encode(batch), ())``: JSON lines carry every event."""
+        return self.encode(batch), ()
 
     # -- decoding ---------------------------------------------------------------
 
@@ -218,6 +404,15 @@ class JsonCodec:
         except orjson.JSONDecodeError as exc:
             raise DecodeError(f"not a JSON line: {exc}") from None
         return self.batch_from_dict_screened(obj)
+
+    def decode_keyed(self, data: bytes, *, seq: int, origin: str, epoch: str) -> EventBatch:
+        """The batch on one line, checked to be ``(origin, epoch, seq)`` (lines carry it)."""
+        batch = self.decode(data)
+        if batch.key != (origin, epoch, seq):
+            raise DecodeError(
+                f"the transport names batch {origin}/{epoch}/{seq}, the line {batch.key}"
+            )
+        return batch
 
     def decode_lines(self, data: bytes) -> list[EventBatch]:
         """Every batch in ``data`` (JSON lines; blank lines are skipped).

@@ -54,12 +54,13 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, TypeAlias, get_args
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias, get_args
 
 import msgspec
 from msgspec.structs import astuple
 
 from kvstream.codecs import dialects
+from kvstream.codecs.base import Refusal
 from kvstream.codecs.dialects import DIALECTS, Dialect, check_dialect, read_event
 from kvstream.codecs.refusals import RefusalLog
 from kvstream.errors import ConfigError, DecodeError, KVStreamError
@@ -307,16 +308,10 @@ _TO_WIRE: Final[dict[tuple[str, bool], dict[type, _ToWire]]] = {
 }
 
 
+_MAP_TO_WIRE: Final = _TO_WIRE[("map", False)]
+
+
 # -- strict screening -------------------------------------------------------------------
-
-
-class Refusal(NamedTuple):
-    """An event a strict codec left out of a batch, and why."""
-
-    #: Position of the event in the batch it came in.
-    position: int
-    event_type: str
-    reason: str
 
 
 def _u64(h: BlockHash) -> int:
@@ -534,6 +529,35 @@ class MsgpackCodec:
         if self.strict is not None:
             return self.encode_screened(batch)[0]
         to_wire = self._to_wire
+        if to_wire is _MAP_TO_WIRE:
+            # The common case inline (vLLM's current wire): no call per BlockStored.
+            events: list[Any] = []
+            append = events.append
+            stored_map = _StoredMap
+            for e in batch.events:
+                if type(e) is BlockStored:
+                    append(
+                        stored_map(
+                            e.block_hashes,
+                            e.parent_block_hash,
+                            e.token_ids,
+                            e.block_size,
+                            e.lora_id,
+                            e.medium,
+                            e.lora_name,
+                            e.extra_keys,
+                            e.group_idx,
+                            e.kv_cache_spec_kind,
+                            e.kv_cache_spec_sliding_window,
+                            e.locality,
+                        )
+                    )
+                else:
+                    convert = to_wire.get(type(e))
+                    if convert is None:
+                        raise TypeError(f"MsgpackCodec: expected a KV cache event, got {e!r:.80}")
+                    append(convert(e))
+            return _ENCODE(_WireBatch(batch.ts, events, batch.data_parallel_rank))
         try:
             events = [to_wire[type(e)](e) for e in batch.events]
         except KeyError:
@@ -681,6 +705,12 @@ class MsgpackCodec:
         except _BAD_INPUT as exc:
             raise DecodeError(f"not a msgpack batch: {exc}") from None
         return self._batch_from_wire(obj, seq, origin, epoch)
+
+    def decode_keyed(
+        self, data: bytes | bytearray | memoryview, *, seq: int, origin: str, epoch: str
+    ) -> EventBatch:
+        """The batch in one payload frame, named by its transport (the Codec contract)."""
+        return self.decode(data, seq=seq, origin=origin, epoch=epoch)
 
     def _batch_from_wire(
         self, obj: Any, seq: int, origin: str, epoch: str

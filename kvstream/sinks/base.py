@@ -10,8 +10,14 @@ transport has a lifetime. Everything else lives here:
   backpressure), ``drop_oldest`` or ``drop_newest`` (the tick never waits; every
   dropped batch and event is counted, and since sinks never renumber, a drop is a
   visible gap in ``seq`` downstream);
-* **encoding**, in the writer task, never on the tick: once per codec per batch,
-  shared by every sink of the scheduler that uses an equal codec;
+* **encoding**, when the batch is offered (on the scheduler's tick): once per
+  codec per batch, shared by every sink of the scheduler that uses an equal codec
+  (:mod:`kvstream.sinks.encoding`), so the outbox holds encoded bytes and is
+  bounded by what they cost;
+* the **inline write**: a sink whose transport can take a batch without waiting
+  (:meth:`Sink.send_nowait`: a ZMQ socket with room, an in-process queue) is
+  written from the tick when nothing is queued or in flight ahead of the batch,
+  without waking the writer task;
 * **faults**: a failing ``send`` is retried with exponential backoff (after
   :meth:`Sink.recover`), logged once per burst, and never slows the other sinks;
 * **shutdown**: :meth:`Sink.drain` delivers what is queued within a deadline and
@@ -27,15 +33,16 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Final, Literal, NamedTuple, Self, TypeAlias, get_args
+from typing import Final, Literal, NamedTuple, Self, TypeAlias, get_args
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
-from kvstream.codecs.base import Codec
+from kvstream.codecs.base import Codec, Refusal
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ClosedError, ConfigError
 from kvstream.events import EventBatch
+from kvstream.sinks.encoding import SharedEncoding
 
 __all__ = [
     "DEFAULT_MAX_BATCHES",
@@ -54,32 +61,13 @@ POLICIES: Final[tuple[str, ...]] = get_args(OverflowPolicy)
 DEFAULT_MAX_BYTES: Final = 64 * 1024 * 1024
 DEFAULT_MAX_BATCHES: Final = 100_000
 #: What a batch is assumed to cost before the sink has encoded one.
-_INITIAL_BYTES_PER_EVENT: Final = 512.0
-_BATCH_OVERHEAD: Final = 128
-
-
-class _SizeModel:
-    """Encoded bytes per event, learned from the batches encoded so far.
-
-    Batches are queued before they are encoded, so the outbox accounts them at
-    this estimate. Sinks whose codecs are equal share one model (the scheduler
-    links them, as it shares their encodings): a sink whose transport stalled
-    encodes nothing, yet its outbox is accounted at the sizes the others see.
-    """
-
-    __slots__ = ("bytes_per_event", "learned")
-
-    def __init__(self) -> None:
-        self.bytes_per_event = _INITIAL_BYTES_PER_EVENT
-        self.learned = False
-
-    def observe(self, nbytes: int, events: int) -> None:
-        per_event = nbytes / events
-        if self.learned:
-            self.bytes_per_event = 0.875 * self.bytes_per_event + 0.125 * per_event
-        else:  # the first measurement replaces the guess
-            self.bytes_per_event = per_event
-            self.learned = True
+#: What a queued batch costs beyond its encoded bytes (the outbox entry, the batch).
+_ENTRY_OVERHEAD: Final = 160
+#: A writer hop (``send_many``) carries at most this many bytes (or one batch).
+#: Large, because a hop to a worker thread costs a GIL hand-off each way, which a
+#: busy loop makes slow (up to the interpreter's switch interval, 5 ms); bounded,
+#: so that what a hop holds is freed, and its memory reused, before the next.
+_HOP_BYTES: Final = 16 * 1024 * 1024
 
 
 class SinkStatistics(NamedTuple):
@@ -95,8 +83,8 @@ class SinkStatistics(NamedTuple):
     batches_dropped: int
     events_dropped: int
     queued_batches: int
-    #: Bytes queued: exact for encoded batches, estimated from the codec's recent
-    #: bytes per event for batches not yet encoded.
+    #: What the queued and in-flight batches hold: their encoded bytes as
+    #: allocated, plus a fixed cost per batch. The outbox is bounded by this.
     queued_bytes: int
     send_errors: int
     #: False while ``send`` is failing and being retried.
@@ -128,10 +116,13 @@ class Sink(ABC):
 
     Use a sink as an async context manager (the scheduler does this for you): it
     opens the transport, runs the writer task, and on exit drains and closes.
+    A sink takes batches only while it is entered: before, or after it closed,
+    :meth:`offer` and :meth:`put` raise :class:`~kvstream.errors.ClosedError`.
     """
 
     #: How many queued batches :meth:`send_many` may receive at once. Sinks that
-    #: can write several batches in one operation (a file) raise it.
+    #: can write several batches in one operation (a file) raise it. A hop also
+    #: stops at 16 MiB of encoded bytes.
     max_coalesce: int = 1
 
     def __init__(
@@ -154,6 +145,11 @@ class Sink(ABC):
             raise ConfigError(f"max_batches: expected a positive int, got {max_batches!r}")
         if close_timeout < 0 or math.isnan(close_timeout):
             raise ConfigError(f"close_timeout: expected seconds >= 0, got {close_timeout!r}")
+        if codec is not None and not isinstance(codec, Codec):
+            raise ConfigError(
+                f"codec: expected a Codec (encode, encode_screened, decode, decode_keyed), "
+                f"got {type(codec).__name__}"
+            )
         self.codec: Codec | None = codec
         self.policy: OverflowPolicy = policy
         self.max_bytes = max_bytes
@@ -162,13 +158,16 @@ class Sink(ABC):
         self.close_timeout = close_timeout
         self._retry_initial = retry_initial
         self._retry_max = retry_max
-        # Outbox: (batch, bytes it is accounted at). Encoded lazily by the writer.
-        self._outbox: deque[tuple[EventBatch, int]] = deque()
+        # A private encoding until a scheduler joins the sink to its group.
+        self._encoding = SharedEncoding(codec)
+        self._encoding.users = 1
+        # Outbox: (batch, its encoded bytes, what they cost). _queued_bytes counts
+        # the outbox and the batches in flight: the bound covers both.
+        self._outbox: deque[tuple[EventBatch, bytes, int]] = deque()
         self._queued_bytes = 0
         self._inflight: list[EventBatch] = []
-        self._size_model = _SizeModel()
-        #: Set by the scheduler when another of its sinks uses an equal codec.
-        self.share_encoding = False
+        self._inflight_cost = 0
+        self._inline = type(self).send_nowait is not Sink.send_nowait
         self._writer_waiting: anyio.Event | None = None
         self._space_waiters: list[anyio.Event] = []
         #: The sink's tasks (the writer; subclasses may start more). Closing cancels
@@ -176,6 +175,8 @@ class Sink(ABC):
         self._tg: TaskGroup | None = None
         self._host_tg: TaskGroup | None = None
         self._entered = False
+        #: True from a completed __aenter__ until drain() starts: offers are taken.
+        self._accepting = False
         self._closing = False
         self._closed = False
         self._drain_report: DeliveryReport | None = None
@@ -184,6 +185,7 @@ class Sink(ABC):
         # counters
         self._batches_in = 0
         self._batches_out = 0
+        self._batches_inline = 0
         self._events_out = 0
         self._bytes_out = 0
         self._batches_dropped = 0
@@ -209,6 +211,19 @@ class Sink(ABC):
         codec and hands over objects). Raise to signal failure: the same batch is
         retried after a backoff and :meth:`recover`.
         """
+
+    def send_nowait(self, data: bytes, batch: EventBatch) -> bool:
+        """Write one encoded batch now if the transport takes it without waiting.
+
+        Optional. Called on the scheduler's tick, only when nothing is queued or
+        in flight ahead of ``batch``, so order is kept. Return True when the batch
+        was written (or given up with :meth:`discard`), False when writing it
+        would have to wait: the batch then goes to the outbox and :meth:`send`
+        writes it. Write all of it or none of it; raising counts as a failed
+        attempt and leaves the batch to :meth:`send`. Keep it short and never
+        block: it runs on the host's tick.
+        """
+        return False
 
     async def send_many(self, items: Sequence[tuple[bytes, EventBatch]]) -> None:
         """Write several batches at once (up to :attr:`max_coalesce`).
@@ -267,6 +282,7 @@ class Sink(ABC):
             raise
         self._tg = tg
         tg.start_soon(self._writer, name=f"kvstream sink writer {self.name}")
+        self._accepting = not self._closing
         return self
 
     async def __aexit__(
@@ -286,51 +302,133 @@ class Sink(ABC):
                 await host_tg.__aexit__(None, None, None)
         return None
 
+    # -- encoding -----------------------------------------------------------------
+
+    @property
+    def encoding(self) -> SharedEncoding:
+        """Where this sink's batches are encoded (shared within a scheduler's group)."""
+        return self._encoding
+
+    def use_encoding(self, encoding: SharedEncoding) -> None:
+        """Take batches' bytes from ``encoding`` (a scheduler's group calls this).
+
+        Only before the sink is entered, and only for an encoding of an equal codec.
+        """
+        if self._entered:
+            raise ClosedError(f"{self.name}: use_encoding: the sink is already running")
+        if encoding.codec != self.codec:
+            raise ConfigError(
+                f"{self.name}: use_encoding: expected an encoding of {self.codec!r}, "
+                f"got one of {encoding.codec!r}"
+            )
+        if encoding is not self._encoding:
+            self._encoding.users -= 1
+            self._encoding = encoding
+            encoding.users += 1
+
     # -- the tick's side ----------------------------------------------------------
 
-    def offer(self, batch: EventBatch, *, force: bool = False) -> bool:
-        """Queue ``batch`` without waiting.
-
-        Returns False only when the outbox is full and the policy is ``block``: the
-        caller then awaits :meth:`put`. With a ``drop_*`` policy it always returns
-        True (dropping and counting what the policy says). ``force=True`` queues a
-        batch past the bounds of a full ``block`` outbox: the scheduler does this
-        for the last batches it seals when closing, which :meth:`drain` then
-        delivers or reports.
-        """
+    def _refusal(self, what: str) -> ClosedError:
+        if not self._entered:
+            return ClosedError(
+                f"{self.name}: {what}: the sink was never entered; use it as "
+                "`async with sink:` or give it to a Scheduler (which enters it)"
+            )
         if self._closing:
-            raise ClosedError(f"{self.name}: the sink is closed")
-        size = int(len(batch.events) * self._size_model.bytes_per_event) + _BATCH_OVERHEAD
+            return ClosedError(f"{self.name}: {what}: the sink is closed")
+        return ClosedError(f"{self.name}: {what}: the sink is still opening")
+
+    def offer(self, batch: EventBatch, *, force: bool = False) -> bool:
+        """Take ``batch`` without waiting: write it now, or queue it for the writer.
+
+        The batch is encoded here (once per codec within a scheduler). Returns
+        False only when the outbox is full and the policy is ``block``: the
+        caller then awaits :meth:`put`. With a ``drop_*`` policy it always
+        returns True (dropping and counting what the policy says). ``force=True``
+        queues a batch past the bounds of a full ``block`` outbox: the scheduler
+        does this for the last batches it seals when closing, which
+        :meth:`drain` then delivers or reports.
+        """
+        if not self._accepting:
+            raise self._refusal("offer")
+        try:
+            data, refused, cost = self._encoding.encode(batch)
+        except Exception as exc:
+            # Deterministic: retrying cannot help. Count it as a drop, loudly.
+            log.error(
+                "%s: cannot encode batch %s/%s seq %d (%s); dropped",
+                self.name,
+                batch.origin,
+                batch.epoch,
+                batch.seq,
+                exc,
+            )
+            self._batches_in += 1
+            self._batches_dropped += 1
+            self._events_dropped += len(batch.events)
+            return True
         outbox = self._outbox
-        if outbox and (
-            len(outbox) >= self.max_batches or self._queued_bytes + size > self.max_bytes
+        if self._inline and not outbox and not self._inflight and self._healthy:
+            try:
+                written = self.send_nowait(data, batch)
+            except Exception as exc:
+                # Left to send(), which retries with backoff and recover().
+                log.debug("%s: send_nowait failed (%s); queued", self.name, exc)
+                written = False
+            if written:
+                self._batches_in += 1
+                if refused or self._refuse_burst:
+                    self._note_refused(batch, refused)
+                if self._discarded and id(batch) in self._discarded:
+                    self._discarded.discard(id(batch))
+                else:
+                    self._batches_inline += 1
+                    self._batches_out += 1
+                    self._events_out += len(batch.events)
+                    self._bytes_out += len(data)
+                return True
+        cost += _ENTRY_OVERHEAD
+        if (outbox or self._inflight) and (
+            len(outbox) >= self.max_batches or self._queued_bytes + cost > self.max_bytes
         ):
             policy = self.policy
             if policy == "block" and not force:
                 return False
             self._batches_in += 1
+            self._note_refused(batch, refused)
             if policy == "drop_newest":
                 self._drop(batch)
                 return True
             while policy == "drop_oldest" and (
                 outbox
-                and (len(outbox) >= self.max_batches or self._queued_bytes + size > self.max_bytes)
+                and (len(outbox) >= self.max_batches or self._queued_bytes + cost > self.max_bytes)
             ):
-                old, old_size = outbox.popleft()
-                self._queued_bytes -= old_size
+                old, _, old_cost = outbox.popleft()
+                self._queued_bytes -= old_cost
                 self._drop(old)
         else:
             self._batches_in += 1
-        outbox.append((batch, size))
-        self._queued_bytes += size
+            self._note_refused(batch, refused)
+        outbox.append((batch, data, cost))
+        self._queued_bytes += cost
         waiting = self._writer_waiting
         if waiting is not None:
             self._writer_waiting = None
             waiting.set()
         return True
 
+    def _note_refused(self, batch: EventBatch, refused: tuple[Refusal, ...]) -> None:
+        if refused:
+            self._count_refused(batch, refused)
+        elif self._refuse_burst:
+            self._refuse_burst = False
+
     async def put(self, batch: EventBatch) -> None:
-        """Queue ``batch``, waiting for room when the policy is ``block``."""
+        """Take ``batch``, waiting for room when the policy is ``block``.
+
+        Cancelled while waiting, the batch was not taken (the scheduler keeps it
+        and offers it again).
+        """
         while not self.offer(batch):
             event = anyio.Event()
             self._space_waiters.append(event)
@@ -353,6 +451,15 @@ class Sink(ABC):
         self._count_drop(batch, reason)
         self._discarded.add(id(batch))
 
+    def count_missed(self, batch: EventBatch, reason: str) -> None:
+        """Count a batch this sink was meant to get but never took, as dropped.
+
+        The scheduler calls it for batches sealed after the sink was closed by its
+        owner, so that every accepted event is delivered or counted by every sink.
+        """
+        self._batches_in += 1
+        self._count_drop(batch, reason)
+
     def _count_drop(self, batch: EventBatch, reason: str) -> None:
         if not self._drop_burst:
             self._drop_burst = True
@@ -369,31 +476,7 @@ class Sink(ABC):
 
     # -- the writer ---------------------------------------------------------------
 
-    def _encode(self, batch: EventBatch) -> bytes:
-        codec = self.codec
-        if codec is None:
-            return b""
-        if self.share_encoding:
-            cache = batch._encoded
-            if cache is None:
-                cache = batch._encoded = {}
-            key: object = codec if _hashable(codec) else id(codec)
-            entry = cache.get(key)
-            if entry is None:
-                entry = cache[key] = _encode_with(codec, batch)
-        else:
-            entry = _encode_with(codec, batch)
-        data, refused = entry
-        if refused:
-            self._count_refused(batch, refused)
-        elif self._refuse_burst:
-            self._refuse_burst = False
-        n = len(batch.events)
-        if n:
-            self._size_model.observe(len(data), n)
-        return data
-
-    def _count_refused(self, batch: EventBatch, refused: tuple[Any, ...]) -> None:
+    def _count_refused(self, batch: EventBatch, refused: tuple[Refusal, ...]) -> None:
         """A strict codec left events out of this batch: count them, log once per burst."""
         self._events_refused += len(refused)
         if not self._refuse_burst:
@@ -407,47 +490,35 @@ class Sink(ABC):
                 batch.origin,
                 batch.epoch,
                 batch.seq,
-                getattr(first, "reason", first),
+                first.reason,
             )
 
     def _take(self) -> list[tuple[bytes, EventBatch]]:
-        """Pop up to ``max_coalesce`` batches and encode them (dropping unencodable ones)."""
+        """Pop the next hop: up to ``max_coalesce`` batches, 16 MiB at most (or one batch)."""
         items: list[tuple[bytes, EventBatch]] = []
         outbox = self._outbox
-        while outbox and len(items) < self.max_coalesce:
-            batch, size = outbox.popleft()
-            self._queued_bytes -= size
-            try:
-                data = self._encode(batch)
-            except Exception as exc:
-                # Deterministic: retrying cannot help. Count it as a drop, loudly.
-                log.error(
-                    "%s: cannot encode batch %s/%s seq %d (%s); dropped",
-                    self.name,
-                    batch.origin,
-                    batch.epoch,
-                    batch.seq,
-                    exc,
-                )
-                self._batches_dropped += 1
-                self._events_dropped += len(batch.events)
-                continue
+        limit = self.max_coalesce
+        hop = 0
+        while outbox and len(items) < limit and (hop < _HOP_BYTES or not items):
+            batch, data, cost = outbox.popleft()
+            hop += cost
             items.append((data, batch))
-        if not outbox:
-            self._queued_bytes = 0
-            if self._drop_burst:
-                self._drop_burst = False
-                log.warning(
-                    "%s: outbox drained; %d batches (%d events) dropped so far",
-                    self.name,
-                    self._batches_dropped,
-                    self._events_dropped,
-                )
+        self._inflight_cost = hop
+        if not outbox and self._drop_burst:
+            self._drop_burst = False
+            log.warning(
+                "%s: outbox drained; %d batches (%d events) dropped so far",
+                self.name,
+                self._batches_dropped,
+                self._events_dropped,
+            )
+        return items
+
+    def _wake_space_waiters(self) -> None:
         if self._space_waiters:
             waiters, self._space_waiters = self._space_waiters, []
             for w in waiters:
                 w.set()
-        return items
 
     async def _writer(self) -> None:
         self._writer_started = True
@@ -460,14 +531,16 @@ class Sink(ABC):
                     await event.wait()
                     continue
                 items = self._take()
-                if not items:
-                    continue
                 self._inflight = [b for _, b in items]
+                self._wake_space_waiters()
                 await self._deliver(items)
                 self._inflight = []
-                # Free the encoded bytes before the next encode: the allocator then
-                # reuses that memory instead of faulting in fresh pages for each batch.
+                self._queued_bytes -= self._inflight_cost
+                self._inflight_cost = 0
+                # Free the encoded bytes before the next hop: the allocator then
+                # reuses that memory instead of faulting in fresh pages.
                 del items
+                self._wake_space_waiters()
         finally:
             self._writer_done.set()
 
@@ -526,6 +599,7 @@ class Sink(ABC):
         if self._drain_report is not None:
             return self._drain_report
         self._closing = True
+        self._accepting = False
         waiting = self._writer_waiting
         if waiting is not None:
             self._writer_waiting = None
@@ -536,7 +610,7 @@ class Sink(ABC):
             self._tg.cancel_scope.cancel()
         # The writer clears _inflight only after a delivery succeeded: whatever
         # is still there (the writer was cancelled mid-send) was not delivered.
-        pending = self._inflight + [b for b, _ in self._outbox]
+        pending = self._inflight + [b for b, _, _ in self._outbox]
         n_events = sum(len(b.events) for b in pending)
         report = DeliveryReport(
             self.name, len(pending), n_events, pending[0].key if pending else None
@@ -561,6 +635,17 @@ class Sink(ABC):
     @property
     def closed(self) -> bool:
         return self._closing
+
+    @property
+    def batches_inline(self) -> int:
+        """Batches written straight from the tick (:meth:`send_nowait`), without
+        waking the writer task; ``statistics().batches_out`` counts them too."""
+        return self._batches_inline
+
+    @property
+    def accepting(self) -> bool:
+        """True while the sink takes batches (entered and not closing)."""
+        return self._accepting
 
     def statistics(self) -> SinkStatistics:
         report = self._drain_report
@@ -591,20 +676,6 @@ async def _hold_task_group(*, task_status: TaskStatus[TaskGroup]) -> None:
     async with anyio.create_task_group() as tg:
         task_status.started(tg)
         await anyio.sleep_forever()
-
-
-def _encode_with(codec: Codec, batch: EventBatch) -> tuple[bytes, tuple[Any, ...]]:
-    """The batch's bytes, and the events a strict codec refused (its ``encode_screened``)."""
-    if getattr(codec, "strict", None) is not None:
-        screened = getattr(codec, "encode_screened", None)
-        if screened is not None:
-            data, refused = screened(batch)
-            return data, tuple(refused)
-    return codec.encode(batch), ()
-
-
-def _hashable(codec: object) -> bool:
-    return type(codec).__hash__ is not object.__hash__ and type(codec).__hash__ is not None
 
 
 #: Convenience for sinks whose default is kvstream's own JSON lines.

@@ -32,6 +32,12 @@ class MemorySink(Sink):
             await anyio.sleep(self.delay)
         self.batches.append(batch)
 
+    def send_nowait(self, data: bytes, batch: EventBatch) -> bool:
+        if self.delay:
+            return False  # a slow transport: the writer takes it
+        self.batches.append(batch)
+        return True
+
     @property
     def events(self) -> list[Any]:
         """Every delivered event, in order."""
@@ -60,6 +66,16 @@ class QueueSink(Sink):
             await self._send_stream.send(batch)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             self.discard(batch, "the consumer closed its receive stream")
+
+    def send_nowait(self, data: bytes, batch: EventBatch) -> bool:
+        """Hand ``batch`` over now if the consumer is waiting for one."""
+        try:
+            self._send_stream.send_nowait(batch)
+        except anyio.WouldBlock:
+            return False
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            self.discard(batch, "the consumer closed its receive stream")
+        return True
 
     async def aclose(self) -> None:
         try:

@@ -9,9 +9,9 @@ and appended to a **replay ring** bounded in bytes. Subscribers read the ring:
   by ``subscriber_bytes`` (the bytes that arrived since it connected and are not
   yet written to its socket). A frame is never copied per subscriber until its
   socket is ready to take it;
-* :meth:`SocketSink.send` appends to the ring and wakes idle writers. It never
-  awaits a subscriber, so a slow subscriber never slows the others, the sink's
-  outbox or the scheduler's tick;
+* :meth:`SocketSink.send` (and ``send_nowait``, from the tick) appends to the
+  ring and wakes idle writers. It never awaits a subscriber, so a slow
+  subscriber never slows the others, the sink's outbox or the scheduler's tick;
 * a subscriber that falls behind is handled by ``slow``: ``disconnect`` (the
   default) closes its connection while its position is still in the ring, so
   it reconnects and resumes where it was; ``drop`` skips the oldest batches it
@@ -383,6 +383,12 @@ class SocketSink(Sink):
 
     async def send(self, data: bytes, batch: EventBatch) -> None:
         self._fanout.publish(data, batch)
+
+    def send_nowait(self, data: bytes, batch: EventBatch) -> bool:
+        # Publishing appends to the ring and wakes subscribers' writers: it never
+        # waits, so the tick does it and the sink's own writer task stays asleep.
+        self._fanout.publish(data, batch)
+        return True
 
     async def send_many(self, items: Sequence[tuple[bytes, EventBatch]]) -> None:
         publish = self._fanout.publish

@@ -27,6 +27,7 @@ import anyio.abc
 from kvstream.codecs.base import Codec
 from kvstream.events import EventBatch, KVCacheEvent
 from kvstream.sinks.burst_log import BurstLog
+from kvstream.sinks.encoding import held_bytes
 from kvstream.sinks.replay_ring import Fifo, ReplayRing
 from kvstream.sinks.socket_subscription import RingEntry, Snapshot, SnapshotWait, Subscription
 from kvstream.wire.socket_protocol import (
@@ -59,8 +60,9 @@ SnapshotProvider = Callable[[], Iterable[KVCacheEvent]]
 #: next_seq)`` once, inside its next tick, right after sealing.
 BarrierRequest = Callable[[Callable[[str, str, int], None]], None]
 
-#: What a ring entry costs beyond its frame (tuple, list slot, position index).
-_ENTRY_OVERHEAD: Final = 128
+#: What a ring entry costs beyond its frame (the entry tuple and its seq, the
+#: ring's list slots and offset, the origin's position index), measured.
+_ENTRY_OVERHEAD: Final = 256
 #: A writer sends up to this many bytes of frames per write.
 _CHUNK_BYTES: Final = 256 * 1024
 
@@ -125,7 +127,10 @@ class Fanout:
             state = self.origins[origin] = OriginState(batch.epoch)
         ring = self.ring
         pos = ring.end_pos
-        evicted = ring.append((origin, batch.epoch, batch.seq, frame), len(frame) + _ENTRY_OVERHEAD)
+        # What the entry really costs: the frame as allocated, and its bookkeeping.
+        evicted = ring.append(
+            (origin, batch.epoch, batch.seq, frame), held_bytes(len(frame)) + _ENTRY_OVERHEAD
+        )
         state.positions.append(pos)
         state.newest = batch.seq
         state.data_parallel_rank = batch.data_parallel_rank

@@ -35,8 +35,13 @@ chance:
 
 Bind or connect follows vLLM's rule (bind for ``*``, ``::``, ipc and inproc;
 otherwise connect, so a central consumer can bind); ``bind=`` overrides it.
-Everything runs on the event loop with :mod:`zmq.asyncio`; there is no
-publisher thread.
+Everything runs on the event loop; there is no publisher thread. Publishing
+uses plain (synchronous) sockets with ``NOBLOCK``: a send either goes at once
+or answers EAGAIN, so it never blocks the loop, and it costs a third of a
+:mod:`zmq.asyncio` send. When nothing is queued ahead, the scheduler's tick
+publishes the batch itself (:meth:`ZmqSink.send_nowait`); the writer task only
+runs when a pipe is full or the sink is retrying. Subscriptions and replay
+requests are read by tasks that wait for the socket's descriptor.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from kvstream.codecs.msgpack import MsgpackCodec, codec_from_options
 from kvstream.errors import ConfigError, DecodeError, MissingDependencyError, TransportError
 from kvstream.events import EventBatch
 from kvstream.sinks.base import Sink
+from kvstream.sinks.encoding import held_bytes
 from kvstream.sinks.replay_ring import ReplayRing
 from kvstream.wire.vllm_zmq import (
     DEFAULT_BUFFER_STEPS,
@@ -73,25 +79,32 @@ from kvstream.wire.vllm_zmq import (
 
 try:
     import zmq
-    import zmq.asyncio
 except ImportError as exc:  # pragma: no cover - the extra is installed in tests
     raise MissingDependencyError.for_extra("pyzmq", "zmq", exc) from exc
 
 if TYPE_CHECKING:
     from kvstream.config import Options, ParsedURL
 
-__all__ = ["DEFAULT_REPLAY_MAX_BYTES", "ZmqSink", "ZmqSinkStatistics"]
+__all__ = ["DEFAULT_REPLAY_HWM", "DEFAULT_REPLAY_MAX_BYTES", "ZmqSink", "ZmqSinkStatistics"]
 
 log = logging.getLogger("kvstream.sinks")
 
 DEFAULT_REPLAY_MAX_BYTES: Final = 256 * 1024 * 1024
-#: Bookkeeping charged per ring entry on top of its frames.
-_ENTRY_OVERHEAD: Final = 96
+#: Bookkeeping charged per ring entry on top of its payload as allocated (the
+#: entry, its seq and seq frame, the ring's list slots and offset), measured.
+_ENTRY_OVERHEAD: Final = 256
+#: Replies queued in ZMQ per replay client. Small: what a client that stops
+#: reading (or never reads) can pin is this many messages, and their payloads
+#: are the ring's own bytes (sent without copying), not copies.
+DEFAULT_REPLAY_HWM: Final = 16
 #: How many replies are served at once; further requests wait for their client's retry.
 DEFAULT_MAX_REPLAY_CLIENTS: Final = 64
 #: Frames sent to one reply client before the others get a turn.
 _REPLY_BUDGET: Final = 64
 _BACKOFF_MIN: Final = 0.001
+#: How often the subscription and replay readers look at their sockets when
+#: the descriptor stays quiet (a send on the tick can consume its signal).
+_WATCH_INTERVAL: Final = 0.02
 _BACKOFF_MAX: Final = 0.05
 
 
@@ -181,7 +194,7 @@ class ZmqSink(Sink):
         replay_max_bytes: int = DEFAULT_REPLAY_MAX_BYTES,
         replay_layout: ReplayLayout = "topic",
         replay_timeout: float = 30.0,
-        replay_hwm: int = 1000,
+        replay_hwm: int = DEFAULT_REPLAY_HWM,
         max_replay_clients: int = DEFAULT_MAX_REPLAY_CLIENTS,
         linger: float = 1.0,
         **options: Any,
@@ -241,9 +254,9 @@ class ZmqSink(Sink):
         self.linger = float(linger)
         self._per_origin = model is not None or "{origin}" in topic
         self._topics: dict[str, bytes | None] = {}
-        self._ctx: zmq.asyncio.Context | None = None
-        self._pub: zmq.asyncio.Socket | None = None
-        self._router: zmq.asyncio.Socket | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._pub: zmq.Socket[bytes] | None = None
+        self._router: zmq.Socket[bytes] | None = None
         # The replay ring: exact frames, bounded in bytes and batches.
         self._ring: ReplayRing[_Entry] = ReplayRing(replay_max_bytes, buffer_steps)
         self._replies: dict[bytes, _Reply] = {}
@@ -296,7 +309,7 @@ class ZmqSink(Sink):
     # -- lifetime -----------------------------------------------------------------------
 
     async def open(self) -> None:
-        ctx = zmq.asyncio.Context()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         try:
             pub = ctx.socket(zmq.XPUB)
             pub.setsockopt(zmq.XPUB_NODROP, 1)
@@ -374,6 +387,30 @@ class ZmqSink(Sink):
         topics[origin] = topic
         return topic
 
+    def send_nowait(self, data: bytes, batch: EventBatch) -> bool:
+        """Publish now if every subscriber's pipe has room (on the tick; see Sink)."""
+        pub = self._pub
+        if pub is None:
+            return False  # send() reports it
+        topic = self._topic_for(batch.origin)
+        if topic is None:
+            self._unroutable += 1
+            self.discard(batch, f"no topic for origin {batch.origin!r}")
+            return True
+        seq_frame = pack_seq(batch.seq)
+        try:
+            _send_now(pub, live_frames(topic, seq_frame, data))
+        except zmq.Again:
+            # XPUB_NODROP: some subscriber's pipe is at its high-water mark.
+            self._pipe_full += 1
+            if self.policy == "block":
+                return False  # the writer waits for room, paced
+            self.discard(batch, "a subscriber's pipe is full (XPUB high-water mark)")
+        except zmq.ZMQError as exc:
+            raise TransportError(f"{self.name}: cannot publish: {exc}") from exc
+        self._keep(batch.seq, topic, seq_frame, data)
+        return True
+
     async def send(self, data: bytes, batch: EventBatch) -> None:
         pub = self._pub
         if pub is None:
@@ -388,7 +425,7 @@ class ZmqSink(Sink):
         delay = _BACKOFF_MIN
         while True:
             try:
-                await pub.send_multipart(frames, flags=zmq.NOBLOCK)
+                _send_now(pub, frames)
             except zmq.Again:
                 # XPUB_NODROP: some subscriber's pipe is at its high-water mark.
                 self._pipe_full += 1
@@ -401,9 +438,13 @@ class ZmqSink(Sink):
             except zmq.ZMQError as exc:
                 raise TransportError(f"{self.name}: cannot publish: {exc}") from exc
             break
+        self._keep(batch.seq, topic, seq_frame, data)
+
+    def _keep(self, seq: int, topic: bytes, seq_frame: bytes, data: bytes) -> None:
+        """Keep a published batch in the replay ring (when replay is on)."""
         if self._router is not None:
-            cost = len(data) + len(topic) + 8 + _ENTRY_OVERHEAD
-            self._ring.append(_Entry(batch.seq, topic, seq_frame, data), cost)
+            cost = held_bytes(len(data)) + _ENTRY_OVERHEAD
+            self._ring.append(_Entry(seq, topic, seq_frame, data), cost)
 
     # -- subscriptions ------------------------------------------------------------------
 
@@ -412,7 +453,13 @@ class ZmqSink(Sink):
         assert pub is not None
         while True:
             try:
-                message = await pub.recv()
+                message = pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                # The descriptor signals pending work; a send on the tick may
+                # have taken that signal already, hence the timeout.
+                with anyio.move_on_after(_WATCH_INTERVAL):
+                    await anyio.wait_readable(pub.FD)
+                continue
             except zmq.ZMQError as exc:
                 log.debug("%s: subscription watcher stopped: %s", self.name, exc)
                 return
@@ -437,7 +484,11 @@ class ZmqSink(Sink):
         assert router is not None
         while True:
             try:
-                frames = await router.recv_multipart()
+                frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                with anyio.move_on_after(_WATCH_INTERVAL):
+                    await anyio.wait_readable(router.FD)
+                continue
             except zmq.ZMQError as exc:
                 log.debug("%s: replay server stopped: %s", self.name, exc)
                 return
@@ -508,7 +559,9 @@ class ZmqSink(Sink):
                     reply.identity, entry.topic, entry.seq_frame, entry.payload, layout
                 )
             try:
-                await router.send_multipart(frames, flags=zmq.NOBLOCK)
+                # Zero-copy: ZMQ's queue refers to the ring's payload instead of
+                # holding a copy per client.
+                _send_now(router, frames, copy=False)
             except zmq.Again:
                 self._replay_waits += 1
                 now = anyio.current_time()
@@ -566,7 +619,34 @@ class ZmqSink(Sink):
         )
 
 
-def _attach(sock: zmq.asyncio.Socket, endpoint: str, bind: bool, what: str) -> str:
+#: pyzmq's frame send without its Python wrapper (``send_multipart`` spends most of
+#: its time in Python: flag arithmetic on enums, keyword handling, a loop).
+_SEND_FRAME: Final = zmq.backend.Socket.send
+_MORE_NOW: Final = int(zmq.SNDMORE | zmq.NOBLOCK)
+_NOW: Final = int(zmq.NOBLOCK)
+#: Frames at least this big are lent to ZMQ rather than copied (pyzmq's own threshold).
+_ZERO_COPY_MIN: Final = 65536
+
+
+def _send_now(sock: zmq.Socket[bytes], frames: list[bytes], *, copy: bool = True) -> None:
+    """Send one multipart message without blocking; ``zmq.Again`` when it cannot go now.
+
+    A ZMQ message is atomic: when its first frame is refused (EAGAIN), nothing of
+    it was queued; once the first frame is taken, the others are taken too.
+    ``copy=False`` lends large frames to ZMQ instead of copying them (pyzmq
+    keeps them alive until ZMQ is done with them).
+    """
+    send = _SEND_FRAME
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        flags = _NOW if i == last else _MORE_NOW
+        if copy or len(frame) < _ZERO_COPY_MIN:
+            send(sock, frame, flags)
+        else:
+            send(sock, frame, flags, False)
+
+
+def _attach(sock: zmq.Socket[bytes], endpoint: str, bind: bool, what: str) -> str:
     """Bind or connect ``sock``; returns the endpoint actually bound (ports resolved)."""
     try:
         if bind:
@@ -598,7 +678,7 @@ def sink_from_url(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> S
         "replay_max_bytes": opts.pop_size("replay_max_bytes", DEFAULT_REPLAY_MAX_BYTES),
         "replay_layout": opts.pop_choice("replay_layout", REPLAY_LAYOUTS, "topic"),
         "replay_timeout": opts.pop_float("replay_timeout", 30.0),
-        "replay_hwm": opts.pop_int("replay_hwm", 1000, minimum=0),
+        "replay_hwm": opts.pop_int("replay_hwm", DEFAULT_REPLAY_HWM, minimum=0),
     }
     if "bind" in opts:
         kwargs["bind"] = opts.pop_bool("bind")

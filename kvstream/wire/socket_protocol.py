@@ -673,16 +673,8 @@ def _decode_payload(
             f"frame header: expected origin (str), epoch (str), seq (int >= 0), got "
             f"{_short(origin)}, {_short(epoch)}, {_short(seq)}"
         )
-    decode: Any = codec.decode
-    try:
-        batch: EventBatch = decode(payload, seq=seq, origin=origin, epoch=epoch)
-    except TypeError:  # a codec whose bytes carry their own name
-        batch = codec.decode(payload)
-        if batch.key != (origin, epoch, seq):
-            raise DecodeError(
-                f"frame: header names {origin}/{epoch}/{seq}, payload {batch.key}"
-            ) from None
-    return batch
+    # The codec checks the name where its bytes carry one (the Codec contract).
+    return codec.decode_keyed(payload, seq=seq, origin=origin, epoch=epoch)
 
 
 def _short(value: object) -> str:

@@ -184,8 +184,12 @@ class ZmqSink(Sink):
         replay_hwm: int = 1000,
         max_replay_clients: int = DEFAULT_MAX_REPLAY_CLIENTS,
         linger: float = 1.0,
+        context: zmq.Context[Any] | None = None,
         **options: Any,
     ) -> None:
+        #: The ZMQ context the sockets are made in: one shared by the whole process
+        #: unless given (``inproc://`` endpoints reach only sockets of one context).
+        self.context: zmq.Context[Any] = zmq.Context.instance() if context is None else context
         if endpoint is None:
             # Secure by default: bound on loopback only. vLLM's own default
             # (tcp://*:5557, every interface) must be asked for by name.
@@ -296,7 +300,7 @@ class ZmqSink(Sink):
     # -- lifetime -----------------------------------------------------------------------
 
     async def open(self) -> None:
-        ctx = zmq.asyncio.Context()
+        ctx = zmq.asyncio.Context(self.context)  # a shadow: the same context, asyncio sockets
         try:
             pub = ctx.socket(zmq.XPUB)
             pub.setsockopt(zmq.XPUB_NODROP, 1)
@@ -314,7 +318,6 @@ class ZmqSink(Sink):
                 self.replay_endpoint = _attach(router, self.replay_endpoint, True, "replay")
         except BaseException:
             self._close_sockets()
-            ctx.term()
             raise
         self._ctx = ctx
 
@@ -333,11 +336,9 @@ class ZmqSink(Sink):
             await super().aclose()
         finally:
             self._close_sockets()
-            ctx, self._ctx = self._ctx, None
-            if ctx is not None:
-                # term() waits up to the linger for queued messages to leave.
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(ctx.term)
+            # The context is shared: never terminated here. Closed sockets keep
+            # their queued messages for up to the linger, sent by its I/O thread.
+            self._ctx = None
 
     def _close_sockets(self) -> None:
         for sock in (self._pub, self._router):

@@ -46,6 +46,7 @@ import dataclasses
 import logging
 import math
 import weakref
+from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, NamedTuple
 
@@ -72,7 +73,13 @@ from kvstream.wire.vllm_zmq import (
     parse_kv_events_config,
 )
 
-__all__ = ["EventPublisher", "PublisherStatistics", "from_vllm_event", "to_kvstream_event"]
+__all__ = [
+    "EventPublisher",
+    "PublisherStatistics",
+    "VllmWireCodec",
+    "from_vllm_event",
+    "to_kvstream_event",
+]
 
 log = logging.getLogger("kvstream.publisher")
 
@@ -150,7 +157,6 @@ def _trusted_stored(extras: tuple[str, ...]) -> Callable[[Any], KVCacheEvent]:
     hashes, parent, tokens and block size.
     """
     set_ = force_setattr
-    hash_types = _HASH_TYPES.issuperset
     # One tuple, replaced whole (loops in several threads may share this converter):
     # (template, medium, group_idx, kind, window, lora_id, lora_name, locality, extra_keys count)
     tail: list[tuple[Any, ...]] = [(_STORED_TEMPLATE, None, None, None, None, None, None, None, -1)]
@@ -168,10 +174,15 @@ def _trusted_stored(extras: tuple[str, ...]) -> Callable[[Any], KVCacheEvent]:
             or not hashes
             or size < 0
             or (parent is not None and type(parent) is not int and type(parent) is not bytes)
-            or not hash_types(map(type, hashes))
+            or type(hashes[0]) is not int
+            or type(hashes[-1]) is not int
             or (tokens and (type(tokens[0]) is not int or type(tokens[-1]) is not int))
         ):
             return to_kvstream_event(e)  # the rarer shapes, and errors: field by field
+        try:
+            array("Q").fromlist(hashes)  # in C: every hash an integer in [0, 2**64)
+        except (TypeError, OverflowError):
+            return to_kvstream_event(e)  # bytes or signed hashes, or the error named
         medium = e.medium
         group = e.group_idx
         kind = e.kv_cache_spec_kind
@@ -220,6 +231,8 @@ def _trusted_stored(extras: tuple[str, ...]) -> Callable[[Any], KVCacheEvent]:
         for field in extras:
             if getattr(e, field) is not None:
                 return to_kvstream_event(e)  # a field kvstream lacks: into metadata
+        if parent is not None and type(parent) is int and not -(2**63) <= parent < 2**64:
+            return to_kvstream_event(e)
         out = t[0].__copy__()
         set_(out, "block_hashes", hashes)
         set_(out, "parent_block_hash", parent)
@@ -293,14 +306,19 @@ _CONVERTERS: dict[type, Callable[[Any], KVCacheEvent]] = {}
 def from_vllm_event(event: object) -> KVCacheEvent:
     """A kvstream event from one of vLLM's event structs, cheaply where that is safe.
 
-    vLLM's own ``msgspec`` structs (a class named ``BlockStored``,
-    ``BlockRemoved`` or ``AllBlocksCleared`` with vLLM's fields) are trusted as
-    vLLM builds them: the common shape is checked with a few type tests per
-    field and one pass in C over the hashes and token ids (each an integer in
-    ``[0, 2**64)``; as kvstream's own events do, ``bool`` and numpy integers in
-    ``token_ids`` are caught at its ends), then copied without revalidation.
-    Every other shape, and every other object, goes through
-    :func:`to_kvstream_event`, which names the bad field.
+    vLLM's own ``msgspec`` structs (tagged ``BlockStored``, ``BlockRemoved`` or
+    ``AllBlocksCleared``, with vLLM's fields) are trusted as vLLM builds them:
+    each field's type is checked (``block_hashes`` and ``token_ids`` lists,
+    their lengths consistent, ``block_size`` an int, the parent an int or
+    bytes, text fields ASCII ``str``, ...), every hash is checked in C to be an
+    integer in ``[0, 2**64)``, and the first and last token id to be an
+    ``int``; then the event is copied from a template without revalidation.
+    Token ids in between are not looked at one by one (a ``str`` or ``float``
+    there would cost as much to find as encoding the event does).
+    Every other shape (bytes or signed hashes, ``extra_keys`` with keys,
+    non-ASCII text, fields kvstream lacks, set) and every other object goes
+    through :func:`to_kvstream_event`, which checks everything and names the
+    bad field.
     """
     cls = type(event)
     convert = _CONVERTERS.get(cls)
@@ -309,17 +327,195 @@ def from_vllm_event(event: object) -> KVCacheEvent:
     return convert(event)
 
 
-class _StepConverter:
-    """The loop's side of ``publish``: one step's raw events to kvstream events, counted."""
+# -- vLLM's own structs, straight to vLLM's wire ---------------------------------------------
 
-    __slots__ = ("_burst", "events", "refused")
+_SCALARS: Final = frozenset((str, int, float, bool))
+
+
+def _direct_stored(extras: tuple[str, ...]) -> Callable[[Any], bool]:
+    """Whether a vLLM ``BlockStored`` can go to vLLM's wire as it is (see :class:`VllmWireCodec`).
+
+    The type of every field (and of the first and last hash and token id) is
+    checked; False sends the event through the conversion, which names the
+    bad field or accepts a rarer shape (bytes hashes, say).
+    """
+    scalars = _SCALARS
+
+    def check(e: Any) -> bool:
+        hashes = e.block_hashes
+        tokens = e.token_ids
+        size = e.block_size
+        if (
+            type(hashes) is not list
+            or type(tokens) is not list
+            or type(size) is not int
+            or len(tokens) != size * len(hashes)
+            or not hashes
+            or size < 0
+            or type(hashes[0]) is not int
+            or type(hashes[-1]) is not int
+            or (tokens and (type(tokens[0]) is not int or type(tokens[-1]) is not int))
+        ):
+            return False
+        parent = e.parent_block_hash
+        medium = e.medium
+        group = e.group_idx
+        kind = e.kv_cache_spec_kind
+        window = e.kv_cache_spec_sliding_window
+        lora_id = e.lora_id
+        lora_name = e.lora_name
+        locality = e.locality
+        extra_keys = e.extra_keys
+        if (
+            (parent is not None and type(parent) is not int)
+            or (medium is not None and type(medium) is not str)
+            or (group is not None and (type(group) is not int or group < 0))
+            or (kind is not None and type(kind) is not str)
+            or (window is not None and type(window) is not int)
+            or (lora_id is not None and type(lora_id) is not int)
+            or (lora_name is not None and type(lora_name) is not str)
+            or (locality is not None and type(locality) is not str)
+            or (
+                extra_keys is not None
+                and (type(extra_keys) is not list or extra_keys.count(None) != len(hashes))
+            )
+        ):
+            return False
+        for field in extras:
+            value = getattr(e, field)
+            if value is not None and type(value) not in scalars:
+                return False
+        return True
+
+    return check
+
+
+def _direct_removed(extras: tuple[str, ...]) -> Callable[[Any], bool]:
+    scalars = _SCALARS
+
+    def check(e: Any) -> bool:
+        hashes = e.block_hashes
+        medium = e.medium
+        group = e.group_idx
+        locality = e.locality
+        if (
+            type(hashes) is not list
+            or (hashes and (type(hashes[0]) is not int or type(hashes[-1]) is not int))
+            or (medium is not None and type(medium) is not str)
+            or (group is not None and (type(group) is not int or group < 0))
+            or (locality is not None and type(locality) is not str)
+        ):
+            return False
+        for field in extras:
+            value = getattr(e, field)
+            if value is not None and type(value) not in scalars:
+                return False
+        return True
+
+    return check
+
+
+def _never(e: Any) -> bool:
+    return False
+
+
+def _always(e: Any) -> bool:
+    return True
+
+
+def _direct_for(cls: type) -> Callable[[Any], bool]:
+    convert = _converter_for(cls)
+    if convert is _passthrough or convert is to_kvstream_event:
+        return _never  # kvstream's own events, or not vLLM's: the conversion path
+    if convert is _cleared:
+        return _always
+    tag = cls.__struct_config__.tag  # type: ignore[attr-defined]
+    if tag == "BlockStored" or (tag is True and cls.__name__ == "BlockStored"):
+        return _direct_stored(_extras(cls, _STORED_FIELDS))
+    return _direct_removed(_extras(cls, _REMOVED_FIELDS))
+
+
+_DIRECT: dict[type, Callable[[Any], bool]] = {}
+
+
+class _DirectBatch(msgspec.Struct, array_like=True, gc=False):
+    """vLLM's batch, ``[ts, events, data_parallel_rank]``, with vLLM's own event structs."""
+
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None
+
+
+class VllmWireCodec:
+    """The msgpack codec (map profile) of vLLM's wire, taking vLLM's own event structs too.
+
+    Batches of kvstream events are encoded by :class:`~kvstream.codecs.msgpack.MsgpackCodec`;
+    a batch of vLLM's own structs, as :class:`EventPublisher` hands them over on
+    vLLM's wire alone, is encoded as vLLM's publisher encodes it: the structs
+    themselves, so the bytes are vLLM's by construction.
+    """
+
+    name = "msgpack"
+    self_delimiting = False
+    strict = None
+
+    __slots__ = ("_encode", "_inner")
+
+    def __init__(self) -> None:
+        from kvstream.codecs.msgpack import MsgpackCodec
+
+        self._inner = MsgpackCodec()
+        self._encode = msgspec.msgpack.Encoder().encode
+
+    def encode(self, batch: Any) -> bytes:
+        events = batch.events
+        if events and type(events[0]) not in _KV_TYPES:
+            return self._encode(_DirectBatch(batch.ts, events, batch.data_parallel_rank))
+        return self._inner.encode(batch)
+
+    def decode(self, data: bytes | bytearray | memoryview, **where: Any) -> Any:
+        return self._inner.decode(data, **where)
+
+    def __repr__(self) -> str:
+        return "VllmWireCodec()"
+
+
+class _StepConverter:
+    """The loop's side of ``publish``: one step's raw events to what the sinks take, counted.
+
+    When every sink is on vLLM's wire (``direct``), a step made of vLLM's own
+    structs is handed to the sinks as it is; any other step becomes kvstream
+    events.
+    """
+
+    __slots__ = ("_burst", "_sinks", "_sinks_count", "direct", "events", "refused")
 
     def __init__(self) -> None:
         self.events = 0
         self.refused = 0
+        self.direct = False
+        self._sinks: Sequence[Any] = ()
+        self._sinks_count = 0
         self._burst = BurstLog(log)
 
+    def go_direct(self, sinks: Sequence[Any]) -> None:
+        """Send vLLM's structs as they are while ``sinks`` (a live list) keeps its length."""
+        self.direct = True
+        self._sinks = sinks
+        self._sinks_count = len(sinks)
+
     def __call__(self, raw: list[Any]) -> list[KVCacheEvent]:
+        if self.direct and len(self._sinks) == self._sinks_count:
+            checks = _DIRECT
+            for event in raw:
+                check = checks.get(type(event))
+                if check is None:
+                    check = checks[type(event)] = _direct_for(type(event))
+                if not check(event):
+                    break
+            else:
+                self.events += len(raw)
+                return raw
         converters = _CONVERTERS
         out: list[KVCacheEvent] = []
         append = out.append
@@ -381,6 +577,8 @@ class EventPublisher:
         self.data_parallel_rank = data_parallel_rank
         self._config = config
         self._converter = _StepConverter()
+        if built and all(isinstance(sink.codec, VllmWireCodec) for sink in built):
+            self._converter.go_direct(self.scheduler._sinks)
         self._runner = LoopThread(
             self.scheduler,
             name=f"kvstream publisher {self.scheduler.origin}",
@@ -400,6 +598,7 @@ class EventPublisher:
         data_parallel_rank: int = 0,
         origin: str | None = None,
         sinks: Sequence[Sink | str] = (),
+        sink_options: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> EventPublisher:
         """A publisher on vLLM's ZMQ wire, configured as vLLM's ``--kv-events-config``.
@@ -407,12 +606,17 @@ class EventPublisher:
         ``config``: JSON text, a mapping, or vLLM's ``KVEventsConfig`` object
         (anything with its attributes). Endpoints are offset by
         ``data_parallel_rank`` as vLLM does; ``max_queue_size`` bounds the
-        steps queued; ``sinks`` adds more destinations beside the ZMQ sink.
+        steps queued; ``sinks`` adds more destinations beside the ZMQ sink;
+        ``sink_options`` go to the :class:`~kvstream.sinks.zmq.ZmqSink`
+        (``bind=True``, ``policy``, ...).
         """
         from kvstream.sinks.zmq import ZmqSink
 
         parsed = _parse_config(config)
-        zmq_sink = ZmqSink.from_kv_events_config(parsed, data_parallel_rank=data_parallel_rank)
+        zmq_options = {"codec": VllmWireCodec(), **(sink_options or {})}
+        zmq_sink = ZmqSink.from_kv_events_config(
+            parsed, data_parallel_rank=data_parallel_rank, **zmq_options
+        )
         options.setdefault("max_queue_size", parsed.max_queue_size)
         resolved = _resolved_config(config, parsed, data_parallel_rank)
         return cls(
@@ -422,6 +626,32 @@ class EventPublisher:
             config=resolved,
             **options,
         )
+
+    @classmethod
+    def zmq(
+        cls,
+        data_parallel_rank: int = 0,
+        endpoint: str = "tcp://*:5557",
+        replay_endpoint: str | None = None,
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
+        topic: str = "",
+        **options: Any,
+    ) -> EventPublisher:
+        """vLLM's ``ZmqEventPublisher(...)`` arguments, so vLLM's factory can make one::
+
+        EventPublisherFactory.register_publisher("kvstream", EventPublisher.zmq)
+        """
+        config = {
+            "endpoint": endpoint,
+            "replay_endpoint": replay_endpoint,
+            "buffer_steps": buffer_steps,
+            "hwm": hwm,
+            "max_queue_size": max_queue_size,
+            "topic": topic,
+        }
+        return cls.from_kv_events_config(config, data_parallel_rank=data_parallel_rank, **options)
 
     def publish(self, events: object) -> None:
         """Publish one step's events as one batch (from the engine's thread).

@@ -208,6 +208,7 @@ def test_every_benchmark_is_listed() -> None:
         "host",
         "scaling",
         "zmq",
+        "publisher",
         "memory",
         "sinks",
         "index",

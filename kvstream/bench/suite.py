@@ -23,6 +23,7 @@ from kvstream.bench.index_runner import bench_index
 from kvstream.bench.memory import bench_memory
 from kvstream.bench.per_sink import SINK_NAMES, bench_sinks
 from kvstream.bench.pipeline import bench_efficiency, bench_host_cost, bench_scaling
+from kvstream.bench.publisher_compare import bench_publisher
 from kvstream.bench.quiet import quiet_logs
 from kvstream.bench.results import Result
 from kvstream.bench.sizes import Sizes
@@ -41,6 +42,7 @@ BENCHMARKS: dict[str, str] = {
     "host": "tick() latency, CPU per event, emit [3]",
     "scaling": "sources and sinks [4]",
     "zmq": "ZMQ sink vs vLLM's publisher design [2]",
+    "publisher": "drop-in EventPublisher vs vLLM's publisher design, busy engine",
     "memory": "RSS with a stalled sink, per policy [5]",
     "sinks": "events/s and MB/s per sink [6]",
     "index": "prefix index (benchmarks/bench_index.py) [7]",
@@ -52,6 +54,7 @@ _FUNCS: dict[str, Bench] = {
     "host": bench_host_cost,
     "scaling": bench_scaling,
     "zmq": bench_zmq,
+    "publisher": bench_publisher,
     "memory": bench_memory,
     "sinks": bench_sinks,
 }
@@ -80,6 +83,8 @@ def units(name: str, sizes: Sizes) -> int:
         return runs * (len(sizes.sources) + len([k for k in sizes.sinks if k != 1]))
     if name == "zmq":
         return len(sizes.zmq_batch_sizes) * runs * 2
+    if name == "publisher":
+        return (len(sizes.zmq_batch_sizes) * 2 + 2 * 3) * runs
     if name == "memory":
         return 3
     if name == "sinks":

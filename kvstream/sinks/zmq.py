@@ -187,9 +187,12 @@ class ZmqSink(Sink):
         context: zmq.Context[Any] | None = None,
         **options: Any,
     ) -> None:
-        #: The ZMQ context the sockets are made in: one shared by the whole process
-        #: unless given (``inproc://`` endpoints reach only sockets of one context).
-        self.context: zmq.Context[Any] = zmq.Context.instance() if context is None else context
+        #: The ZMQ context the sockets are made in (not terminated by the sink). By
+        #: default, for ``inproc://`` endpoints (which reach only sockets of one
+        #: context), the process's shared ``zmq.Context.instance()``, as vLLM uses;
+        #: otherwise a context of the sink's own, terminated at close so that the
+        #: endpoint is free again when ``aclose`` returns.
+        self.context: zmq.Context[Any] | None = context
         if endpoint is None:
             # Secure by default: bound on loopback only. vLLM's own default
             # (tcp://*:5557, every interface) must be asked for by name.
@@ -246,6 +249,7 @@ class ZmqSink(Sink):
         self._per_origin = model is not None or "{origin}" in topic
         self._topics: dict[str, bytes | None] = {}
         self._ctx: zmq.asyncio.Context | None = None
+        self._own_ctx = True
         self._pub: zmq.asyncio.Socket | None = None
         self._router: zmq.asyncio.Socket | None = None
         # The replay ring: exact frames, bounded in bytes and batches.
@@ -300,7 +304,12 @@ class ZmqSink(Sink):
     # -- lifetime -----------------------------------------------------------------------
 
     async def open(self) -> None:
-        ctx = zmq.asyncio.Context(self.context)  # a shadow: the same context, asyncio sockets
+        shared = self.context
+        if shared is None and "inproc://" in f"{self.endpoint} {self.replay_endpoint}":
+            shared = zmq.Context.instance()
+        # A shadow of a shared context: the same context, asyncio sockets.
+        ctx = zmq.asyncio.Context() if shared is None else zmq.asyncio.Context(shared)
+        self._own_ctx = shared is None
         try:
             pub = ctx.socket(zmq.XPUB)
             pub.setsockopt(zmq.XPUB_NODROP, 1)
@@ -318,6 +327,8 @@ class ZmqSink(Sink):
                 self.replay_endpoint = _attach(router, self.replay_endpoint, True, "replay")
         except BaseException:
             self._close_sockets()
+            if self._own_ctx:
+                ctx.term()
             raise
         self._ctx = ctx
 
@@ -336,9 +347,12 @@ class ZmqSink(Sink):
             await super().aclose()
         finally:
             self._close_sockets()
-            # The context is shared: never terminated here. Closed sockets keep
-            # their queued messages for up to the linger, sent by its I/O thread.
-            self._ctx = None
+            ctx, self._ctx = self._ctx, None
+            if ctx is not None and self._own_ctx:
+                # term() waits up to the linger for queued messages to leave. (A
+                # shared context is left running: its I/O thread sends them.)
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(ctx.term)
 
     def _close_sockets(self) -> None:
         for sock in (self._pub, self._router):

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import random
 import re
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -197,17 +194,6 @@ def test_the_default_rank_is_zero_not_none() -> None:
     assert sink.batches[0].data_parallel_rank == 0
 
 
-def test_publish_copies_the_callers_list() -> None:
-    sink = MemorySink()
-    reused: list[Any] = []
-    with EventPublisher([sink], origin="engine") as pub:
-        for i in range(500):
-            reused.clear()
-            reused.append(vllm_stored(i))
-            pub.publish(KVEventBatch(ts=float(i), events=reused))
-    assert [b.events for b in sink.batches] == [[kv_of(vllm_stored(i))] for i in range(500)]
-
-
 @settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1))
 def test_10000_unpaused_publishes_from_a_thread_are_10000_batches(seed: int) -> None:
@@ -244,22 +230,6 @@ def test_a_bad_event_is_dropped_and_counted_the_rest_published(
     assert sink.batches[0].events == [kv_of(vllm_stored(1))]
     assert pub.statistics() == (1, 1, 2)
     assert "event 1 of a step dropped" in caplog.text
-
-
-def test_refusals_are_logged_once_per_burst_and_again_after_it(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    sink = MemorySink()
-    caplog.set_level(logging.WARNING, "kvstream.publisher")
-    with EventPublisher([sink], origin="engine") as pub:
-        for _ in range(50):
-            pub.publish(["bad"])
-        pub._runner.handle.flush(10)
-        assert len(caplog.records) == 1  # one warning for the burst
-        pub._converter._burst.window = 0.0  # the burst is over
-        pub.publish(["bad"])
-    assert len(caplog.records) == 2
-    assert "more like it" in caplog.records[1].getMessage()
 
 
 def test_bad_batches_raise_in_the_callers_thread() -> None:
@@ -355,27 +325,3 @@ def test_vllms_publisher_arguments_make_one(tmp_path: Path) -> None:
 
 
 # -- exit -------------------------------------------------------------------------------------
-
-_FORGETFUL = """
-import sys
-from kvstream import BlockRemoved
-from kvstream.publisher import EventPublisher
-pub = EventPublisher([sys.argv[1]], origin="forgetful")
-for i in range(200):
-    pub.publish([BlockRemoved(block_hashes=[i], medium="GPU")])
-print("published", flush=True)
-# no shutdown(): the process must still exit, and what was published is delivered
-"""
-
-
-def test_a_process_that_never_shuts_down_exits_and_delivers(tmp_path: Path) -> None:
-    out = tmp_path / "kv.jsonl"
-    result = subprocess.run(
-        [sys.executable, "-c", _FORGETFUL, f"file:{out}"],
-        capture_output=True,
-        timeout=60,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr.decode()
-    lines = out.read_text().splitlines()
-    assert [json.loads(line)["seq"] for line in lines] == list(range(200))

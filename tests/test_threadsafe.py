@@ -80,50 +80,6 @@ def test_every_step_is_one_batch_with_the_next_seq(seed: int) -> None:
         n += size
 
 
-def test_emit_copies_the_callers_list() -> None:
-    """An engine that clears and refills one list per step loses nothing (issue 15, item 4)."""
-    sink = MemorySink()
-    reused: list[KVCacheEvent] = []
-    with run_in_thread(Scheduler(sinks=[sink], origin="engine")) as kv:
-        for step in range(1000):
-            reused.clear()
-            reused.extend([ev(2 * step), ev(2 * step + 1)])
-            kv.emit(reused)
-            kv.tick()
-    assert [b.events for b in sink.batches] == [[ev(2 * s), ev(2 * s + 1)] for s in range(1000)]
-
-
-def test_emit_tick_and_step_after_close_raise() -> None:
-    sink = MemorySink()
-    with run_in_thread(Scheduler(sinks=[sink], origin="engine")) as kv:
-        kv.emit(ev(1))
-    with pytest.raises(ClosedError):
-        kv.emit(ev(2))
-    with pytest.raises(ClosedError):
-        kv.tick()
-    with pytest.raises(ClosedError):
-        kv.step([ev(3)])
-    assert sink.events == [ev(1)]  # the emit before close was sealed by the last tick
-
-
-async def test_the_scheduler_closing_works_through_what_threads_handed_over() -> None:
-    sink = MemorySink()
-    async with Scheduler(sinks=[sink], origin="engine") as s:
-        handle = s.threadsafe()
-
-        def engine() -> None:
-            for i in range(500):
-                handle.emit(ev(i))
-                if i % 7 == 0:
-                    handle.tick()
-
-        await anyio.to_thread.run_sync(engine)
-        # Closing at once: nothing handed over may be left behind.
-    assert sink.events == [ev(i) for i in range(500)]
-    with pytest.raises(ClosedError):
-        handle.emit(ev(0))
-
-
 async def test_threadsafe_needs_a_running_scheduler() -> None:
     s = Scheduler(sinks=[MemorySink()])
     with pytest.raises(ClosedError, match="async with"):

@@ -95,6 +95,8 @@ class PublisherStatistics(NamedTuple):
 
 _KV_TYPES: Final = frozenset(EVENT_TYPES.values())
 _HASH_TYPES: Final = frozenset((int, bytes))
+#: Tails a converter keeps templates for before it starts again.
+_MAX_TEMPLATES: Final = 256
 _STORED_FIELDS: Final = frozenset(BlockStored.__struct_fields__) - {"metadata"}
 _REMOVED_FIELDS: Final = frozenset(BlockRemoved.__struct_fields__) - {"metadata"}
 _CLEARED: Final = AllBlocksCleared()
@@ -151,15 +153,15 @@ def _plain_str(value: object) -> bool:
 def _trusted_stored(extras: tuple[str, ...]) -> Callable[[Any], KVCacheEvent]:
     """The converter for one vLLM ``BlockStored`` class (see :func:`from_vllm_event`).
 
-    Consecutive events of a step mostly share their tail (tier, group, cache
-    spec, LoRA, how many ``extra_keys``): the tail is checked and laid out once
-    in a template event, and each event copies the template and sets its
-    hashes, parent, tokens and block size.
+    Events mostly share a few tails (tier, group, cache spec, LoRA, how many
+    ``extra_keys``): each tail is checked and laid out once in a template
+    event, and each event copies its template and sets its hashes, parent,
+    tokens and block size.
     """
     set_ = force_setattr
-    # One tuple, replaced whole (loops in several threads may share this converter):
-    # (template, medium, group_idx, kind, window, lora_id, lora_name, locality, extra_keys count)
-    tail: list[tuple[Any, ...]] = [(_STORED_TEMPLATE, None, None, None, None, None, None, None, -1)]
+    # Template events by tail: (medium, group_idx, kind, window, lora_id, lora_name,
+    # locality, extra_keys count). A dict: safe to share between loops in threads.
+    templates: dict[tuple[Any, ...], Any] = {}
 
     def convert(e: Any) -> KVCacheEvent:
         hashes = e.block_hashes
@@ -183,26 +185,24 @@ def _trusted_stored(extras: tuple[str, ...]) -> Callable[[Any], KVCacheEvent]:
             array("Q").fromlist(hashes)  # in C: every hash an integer in [0, 2**64)
         except (TypeError, OverflowError):
             return to_kvstream_event(e)  # bytes or signed hashes, or the error named
-        medium = e.medium
-        group = e.group_idx
-        kind = e.kv_cache_spec_kind
-        window = e.kv_cache_spec_sliding_window
-        lora_id = e.lora_id
-        lora_name = e.lora_name
-        locality = e.locality
         extra_keys = e.extra_keys
-        n_extra = -1 if extra_keys is None or type(extra_keys) is not list else len(extra_keys)
-        t = tail[0]
-        if (
-            medium != t[1]
-            or group != t[2]
-            or kind != t[3]
-            or window != t[4]
-            or lora_id != t[5]
-            or lora_name != t[6]
-            or locality != t[7]
-            or n_extra != t[8]
-        ):
+        n_extra = -1 if extra_keys is None else len(extra_keys) if type(extra_keys) is list else -2
+        key = (
+            e.medium,
+            e.group_idx,
+            e.kv_cache_spec_kind,
+            e.kv_cache_spec_sliding_window,
+            e.lora_id,
+            e.lora_name,
+            e.locality,
+            n_extra,
+        )
+        try:
+            template = templates.get(key)
+        except TypeError:  # an unhashable value in a field: the full path names it
+            return to_kvstream_event(e)
+        if template is None:
+            medium, group, kind, window, lora_id, lora_name, locality, _ = key
             if (
                 not _plain_str(medium)
                 or (group is not None and (type(group) is not int or group < 0))
@@ -224,8 +224,9 @@ def _trusted_stored(extras: tuple[str, ...]) -> Callable[[Any], KVCacheEvent]:
             set_(template, "locality", locality)
             if extra_keys is not None:
                 set_(template, "extra_keys", [None] * n_extra)
-            t = (template, medium, group, kind, window, lora_id, lora_name, locality, n_extra)
-            tail[0] = t
+            if len(templates) >= _MAX_TEMPLATES:
+                templates.clear()
+            templates[key] = template
         if extra_keys is not None and extra_keys.count(None) != n_extra:
             return to_kvstream_event(e)  # keys of some block: normalised field by field
         for field in extras:
@@ -233,7 +234,7 @@ def _trusted_stored(extras: tuple[str, ...]) -> Callable[[Any], KVCacheEvent]:
                 return to_kvstream_event(e)  # a field kvstream lacks: into metadata
         if parent is not None and type(parent) is int and not -(2**63) <= parent < 2**64:
             return to_kvstream_event(e)
-        out = t[0].__copy__()
+        out = template.__copy__()
         set_(out, "block_hashes", hashes)
         set_(out, "parent_block_hash", parent)
         set_(out, "token_ids", tokens)

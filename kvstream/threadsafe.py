@@ -98,6 +98,8 @@ class ThreadsafeHandle:
         self._room_wanted = False
         self._room = threading.Event()
         self._wake_set = self._wakeup.set
+        #: Events handed over but never sealed (the scheduler stopped before it got to them).
+        self.events_abandoned = 0
 
     # -- the engine's side (any thread) ---------------------------------------------------
 
@@ -262,14 +264,24 @@ class ThreadsafeHandle:
             self._closed = True
             self._done.set()
             self._room.set()
-            # Cancelled with entries left (the scheduler stopped in a hurry):
-            # fail the waiting callers rather than leave them hanging.
+            # Cancelled with entries left (the scheduler's close timed out first):
+            # fail the waiting callers, and count and report what is lost.
+            lost_events = 0
             while entries:
                 entry = entries.popleft()
                 if entry[0] == _TICK:
                     entry[1].set_exception(ClosedError("tick: the scheduler stopped first"))
                 elif entry[0] == _FLUSH:
                     entry[1].set()
+                else:
+                    lost_events += len(entry[1])
+                    self.events_abandoned += len(entry[1])
+            if lost_events:
+                log.error(
+                    "%d event(s) handed over from a thread were never sealed: the "
+                    "scheduler's close timed out before its loop worked through them",
+                    lost_events,
+                )
 
     async def _close_and_drain(self) -> None:
         """For the scheduler's ``aclose``: take nothing more, work through what is queued."""

@@ -505,18 +505,26 @@ class _StepConverter:
         self._sinks = sinks
         self._sinks_count = len(sinks)
 
+    @staticmethod
+    def _direct_ok(raw: list[Any]) -> bool:
+        """Whether every event of the step can go to vLLM's wire as it is."""
+        checks = _DIRECT
+        kinds = set(map(type, raw))
+        if len(kinds) == 1:  # the common step: one kind of event, checked in one pass
+            (kind,) = kinds
+            check = checks.get(kind)
+            if check is None:
+                check = checks[kind] = _direct_for(kind)
+            return all(map(check, raw))
+        for kind in kinds:
+            if kind not in checks:
+                checks[kind] = _direct_for(kind)
+        return all(checks[type(event)](event) for event in raw)
+
     def __call__(self, raw: list[Any]) -> list[KVCacheEvent]:
-        if self.direct and len(self._sinks) == self._sinks_count:
-            checks = _DIRECT
-            for event in raw:
-                check = checks.get(type(event))
-                if check is None:
-                    check = checks[type(event)] = _direct_for(type(event))
-                if not check(event):
-                    break
-            else:
-                self.events += len(raw)
-                return raw
+        if self.direct and len(self._sinks) == self._sinks_count and self._direct_ok(raw):
+            self.events += len(raw)
+            return raw
         converters = _CONVERTERS
         out: list[KVCacheEvent] = []
         append = out.append

@@ -89,7 +89,8 @@ class ThreadsafeHandle:
         self._lock = threading.Lock()
         #: True while the loop side waits for work: the next hand-off wakes it.
         self._idle = False
-        self._wakeup = asyncio.Event()
+        #: What the loop side waits on while idle; a wake resolves it.
+        self._waiter: asyncio.Future[None] | None = None
         self._closed = False
         self._done = asyncio.Event()
         # Steps handed over and steps taken: each counter written by one side only.
@@ -97,7 +98,7 @@ class ThreadsafeHandle:
         self._taken = 0
         self._room_wanted = False
         self._room = threading.Event()
-        self._wake_set = self._wakeup.set
+        self._wake_set = self._wake
         #: Events handed over but never sealed (the scheduler stopped before it got to them).
         self.events_abandoned = 0
 
@@ -155,6 +156,12 @@ class ThreadsafeHandle:
             except RuntimeError:  # the loop has stopped: nothing can run the entry
                 self._closed = True
                 raise ClosedError("the scheduler's event loop has stopped") from None
+
+    def _wake(self) -> None:
+        """On the loop: resume the loop side if it waits (a late wake finds nothing to do)."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _wait_for_room(self) -> None:
         """Backpressure: wait while ``max_pending`` steps are queued (a full ``block`` sink)."""
@@ -215,7 +222,7 @@ class ThreadsafeHandle:
         entries = self._entries
         scheduler = self._scheduler
         convert = self._convert
-        wakeup = self._wakeup
+        loop = self._loop
         try:
             while True:
                 turn = 0
@@ -252,14 +259,14 @@ class ThreadsafeHandle:
                     if turn >= _TURN and entries:
                         turn = 0
                         await anyio.lowlevel.checkpoint()  # let the sinks' tasks run
-                wakeup.clear()
+                waiter = self._waiter = loop.create_future()
                 with self._lock:
                     if entries:
                         continue
                     if self._closed:
                         break
                     self._idle = True
-                await wakeup.wait()
+                await waiter
         finally:
             self._closed = True
             self._done.set()

@@ -197,6 +197,8 @@ class Scheduler:
         self._progress = anyio.Event()
         #: call_at_barrier() callbacks for the next tick (snapshots for socket sinks)
         self._at_barrier: list[Callable[[str, str, int], None]] = []
+        #: Handles of threads handing steps over (worked through before the last tick).
+        self._thread_handles: list[ThreadsafeHandle] = []
         # counters
         self._ticks = 0
         self._batches_sealed = 0
@@ -285,6 +287,9 @@ class Scheduler:
         self._flushing = True
         if self._put_scope is not None:
             self._put_scope.cancel()
+        for thread_handle in self._thread_handles:  # what threads handed over comes first
+            with anyio.move_on_after(max(deadline - anyio.current_time(), 0)):
+                await thread_handle._close_and_drain()
         # A last tick: everything accepted so far becomes a batch. (A scheduler
         # never entered accepted nothing: emit() and tick() refused.)
         if self._tg is not None:
@@ -683,9 +688,93 @@ class Scheduler:
             next_seq={name: o.next_seq for name, o in self._origins.items()},
         )
 
-    def threadsafe(self) -> ThreadsafeHandle:
-        """A handle other threads use to ``emit`` and ``tick``; call it on the loop."""
-        return ThreadsafeHandle(self)
+    # -- the thread entry (ThreadsafeHandle: run_in_thread, EventPublisher) ------------------
+
+    def threadsafe(self, **options: Any) -> ThreadsafeHandle:
+        """A handle other threads use to ``emit`` and ``tick``; call it on the loop.
+
+        The scheduler must be running: the handle's entries are worked through
+        by a task in its task group, and ``aclose`` works through what is still
+        queued before its last tick. ``options`` go to :class:`ThreadsafeHandle`.
+        """
+        if self._tg is None or self._closed:
+            raise ClosedError(
+                "threadsafe: the scheduler is not running; call it inside `async with scheduler:`"
+            )
+        handle = ThreadsafeHandle(self, **options)
+        self._thread_handles.append(handle)
+        scope = self._task_scope()
+
+        async def run() -> None:
+            with scope:
+                await handle._run()
+
+        self._tg.start_soon(run, name="kvstream thread hand-off")
+        return handle
+
+    def _emit_from_thread(self, events: list[KVCacheEvent]) -> None:
+        # Checked in the caller's thread; accepted even while closing (the
+        # handle took them before it closed).
+        own = self._own
+        own.emitted.extend(events)
+        own.emitted_count += len(events)
+
+    async def _tick_step(
+        self, events: list[KVCacheEvent] | None, ts: float | None, rank: int | None
+    ) -> EventBatch | None:
+        """A tick for a step handed over from a thread.
+
+        ``events`` (a publisher's step) join this origin's pending events and
+        this origin seals a batch even when it is empty (one step, one seq, as
+        vLLM numbers them), stamped with ``ts``/``rank`` when given. With
+        ``events`` None it is a plain tick.
+        """
+        self._ticks += 1
+        batches = self._seal() if events is None or self._seal_needed() else []
+        own = self._own
+        if events is not None:
+            first = batches[0] if batches and batches[0].origin == self.origin else None
+            if first is None:  # nothing was pending: an empty batch, as vLLM sends
+                first = EventBatch._trusted(
+                    own.next_seq,
+                    ts if ts is not None else self._clock(),
+                    events,
+                    own.data_parallel_rank if rank is None else rank,
+                    own.name,
+                    self.epoch,
+                )
+                own.next_seq += 1
+                own.emitted_count += len(events)
+                self._events_sealed += len(events)
+                self._batches_sealed += 1
+                batches.insert(0, first)
+            else:
+                # _seal took this origin's pending events; the step's come after them.
+                # (The batch is not handed out yet: its list may still grow.)
+                first.events.extend(events)
+                own.emitted_count += len(events)
+                self._events_sealed += len(events)
+                if ts is not None or rank is not None:
+                    batches[0] = EventBatch._trusted(
+                        first.seq,
+                        first.ts if ts is None else ts,
+                        first.events,
+                        first.data_parallel_rank if rank is None else rank,
+                        first.origin,
+                        first.epoch,
+                    )
+        if self._at_barrier:
+            self._run_barrier_callbacks()
+        if not batches:
+            return None
+        if not self._dispatch_now(batches):
+            await self._wait_dispatched(self._tickets)
+        head = batches[0]
+        return head if head.origin == self.origin else None
+
+    def _seal_needed(self) -> bool:
+        """Whether anything but a step's own events is pending (other inputs, origins)."""
+        return bool(self._own.emitted) or len(self._origins) > 1 or bool(self._own.inputs)
 
     def __repr__(self) -> str:
         return f"<Scheduler origin={self.origin!r} epoch={self.epoch!r}>"

@@ -241,6 +241,7 @@ def test_every_benchmark_is_listed() -> None:
         "scaling",
         "file",
         "zmq",
+        "publisher",
         "memory",
         "sinks",
         "index",

@@ -25,6 +25,7 @@ from kvstream.bench.index_runner import bench_index
 from kvstream.bench.memory import bench_memory
 from kvstream.bench.per_sink import SINK_NAMES, bench_sinks
 from kvstream.bench.pipeline import bench_efficiency, bench_host_cost, bench_scaling
+from kvstream.bench.publisher_compare import bench_publisher
 from kvstream.bench.quiet import quiet_logs
 from kvstream.bench.results import Result
 from kvstream.bench.sizes import Sizes
@@ -46,6 +47,7 @@ BENCHMARKS: dict[str, str] = {
     "scaling": "sources and sinks [4]",
     "file": "file sink pipeline vs the JSON codec writing [12.5]",
     "zmq": "ZMQ sink vs vLLM's publisher design and the floor [12.3, 12.6]",
+    "publisher": "drop-in EventPublisher vs vLLM's publisher design, busy engine [12.1, 12.2]",
     "memory": "RSS with a stalled sink, per policy [5]",
     "sinks": "events/s and MB/s per sink [6]",
     "index": "prefix index (benchmarks/bench_index.py) [7]",
@@ -60,6 +62,7 @@ _FUNCS: dict[str, Bench] = {
     "scaling": bench_scaling,
     "file": bench_file,
     "zmq": bench_zmq,
+    "publisher": bench_publisher,
     "memory": bench_memory,
     "sinks": bench_sinks,
 }
@@ -94,6 +97,8 @@ def units(name: str, sizes: Sizes) -> int:
         return runs * 4
     if name == "zmq":
         return len(sizes.zmq_batch_sizes) * runs * 4
+    if name == "publisher":
+        return (len(sizes.zmq_batch_sizes) * 2 + 2 * 3) * runs
     if name == "memory":
         return 3
     if name == "sinks":

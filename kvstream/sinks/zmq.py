@@ -197,8 +197,15 @@ class ZmqSink(Sink):
         replay_hwm: int = DEFAULT_REPLAY_HWM,
         max_replay_clients: int = DEFAULT_MAX_REPLAY_CLIENTS,
         linger: float = 1.0,
+        context: zmq.Context[Any] | None = None,
         **options: Any,
     ) -> None:
+        #: The ZMQ context the sockets are made in (not terminated by the sink). By
+        #: default, for ``inproc://`` endpoints (which reach only sockets of one
+        #: context), the process's shared ``zmq.Context.instance()``, as vLLM uses;
+        #: otherwise a context of the sink's own, terminated at close so that the
+        #: endpoint is free again when ``aclose`` returns.
+        self.context: zmq.Context[Any] | None = context
         if endpoint is None:
             # Secure by default: bound on loopback only. vLLM's own default
             # (tcp://*:5557, every interface) must be asked for by name.
@@ -255,6 +262,7 @@ class ZmqSink(Sink):
         self._per_origin = model is not None or "{origin}" in topic
         self._topics: dict[str, bytes | None] = {}
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._own_ctx = True
         self._pub: zmq.Socket[bytes] | None = None
         self._router: zmq.Socket[bytes] | None = None
         # The replay ring: exact frames, bounded in bytes and batches.
@@ -309,7 +317,13 @@ class ZmqSink(Sink):
     # -- lifetime -----------------------------------------------------------------------
 
     async def open(self) -> None:
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        shared = self.context
+        if shared is None and "inproc://" in f"{self.endpoint} {self.replay_endpoint}":
+            shared = zmq.Context.instance()
+        # Synchronous sockets (sends are NOBLOCK, from the tick); a shared context
+        # is used as it is, so inproc:// endpoints reach the other sockets in it.
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context() if shared is None else shared
+        self._own_ctx = shared is None
         try:
             pub = ctx.socket(zmq.XPUB)
             pub.setsockopt(zmq.XPUB_NODROP, 1)
@@ -327,7 +341,8 @@ class ZmqSink(Sink):
                 self.replay_endpoint = _attach(router, self.replay_endpoint, True, "replay")
         except BaseException:
             self._close_sockets()
-            ctx.term()
+            if self._own_ctx:
+                ctx.term()
             raise
         self._ctx = ctx
 
@@ -347,8 +362,9 @@ class ZmqSink(Sink):
         finally:
             self._close_sockets()
             ctx, self._ctx = self._ctx, None
-            if ctx is not None:
-                # term() waits up to the linger for queued messages to leave.
+            if ctx is not None and self._own_ctx:
+                # term() waits up to the linger for queued messages to leave. (A
+                # shared context is left running: its I/O thread sends them.)
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(ctx.term)
 

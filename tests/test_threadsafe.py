@@ -1,0 +1,169 @@
+"""The thread bridge: ThreadsafeHandle, LoopThread and run_in_thread (kvstream.threadsafe)."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import anyio
+import anyio.to_thread
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstream import AllBlocksCleared, BlockRemoved, EventBatch, KVCacheEvent, MemorySink, Scheduler
+from kvstream.errors import ClosedError, ConfigError, InvalidEventTypeError
+from kvstream.threadsafe import LoopThread, ThreadsafeHandle, run_in_thread
+
+
+def ev(i: int) -> BlockRemoved:
+    return BlockRemoved(block_hashes=[i], medium="GPU")
+
+
+def step_sizes(seed: int, steps: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.choice((0, 1, 1, 2, 3, 8)) for _ in range(steps)]
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_every_thread_side_tick_seals_exactly_its_steps_events(seed: int) -> None:
+    """10,000 unpaused steps from a thread: every batch is exactly its step's events."""
+    sizes = step_sizes(seed, 10_000)
+    sink = MemorySink(max_batches=20_000)
+    returned: list[EventBatch | None] = []
+    with run_in_thread(Scheduler(sinks=[sink], origin="engine")) as kv:
+        futures = []
+        n = 0
+        for size in sizes:
+            for _ in range(size):
+                kv.emit(ev(n))
+                n += 1
+            futures.append(kv.tick())
+        returned = [f.result(timeout=30) for f in futures]
+    n = 0
+    expected: list[list[KVCacheEvent]] = []
+    for step, size in enumerate(sizes):
+        want = [ev(n + j) for j in range(size)]
+        n += size
+        if want:
+            got = returned[step]
+            assert got is not None, f"step {step}: no batch"
+            assert got.events == want, f"step {step}"
+            expected.append(want)
+        else:
+            assert returned[step] is None, f"step {step}: an empty step sealed a batch"
+    assert [b.events for b in sink.batches] == expected
+    assert [b.seq for b in sink.batches] == list(range(len(expected)))
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_every_step_is_one_batch_with_the_next_seq(seed: int) -> None:
+    """A publisher's steps (``step``): one batch each, empty ones too, ts and rank as given."""
+    sizes = step_sizes(seed, 10_000)
+    sink = MemorySink(max_batches=20_000)
+    with run_in_thread(Scheduler(sinks=[sink], origin="engine", data_parallel_rank=3)) as kv:
+        n = 0
+        for i, size in enumerate(sizes):
+            kv.step(
+                [ev(n + j) for j in range(size)], ts=1000.0 + i, data_parallel_rank=i % 3 or None
+            )
+            n += size
+    assert len(sink.batches) == len(sizes)
+    n = 0
+    for i, (batch, size) in enumerate(zip(sink.batches, sizes, strict=True)):
+        assert batch.seq == i
+        assert batch.ts == 1000.0 + i
+        assert batch.data_parallel_rank == (i % 3 or 3)
+        assert batch.events == [ev(n + j) for j in range(size)]
+        n += size
+
+
+async def test_threadsafe_needs_a_running_scheduler() -> None:
+    s = Scheduler(sinks=[MemorySink()])
+    with pytest.raises(ClosedError, match="async with"):
+        s.threadsafe()
+
+
+async def test_bad_input_is_refused_in_the_callers_thread() -> None:
+    async with Scheduler(sinks=[MemorySink()], origin="engine") as s:
+        handle = s.threadsafe()
+        with pytest.raises(InvalidEventTypeError, match=r"emit\[1\]"):
+            await anyio.to_thread.run_sync(handle.emit, [ev(1), "not an event"])
+        with pytest.raises(ConfigError, match="max_pending"):
+            ThreadsafeHandle(s, max_pending=0)
+
+
+async def test_several_threads_keep_their_own_order() -> None:
+    sink = MemorySink()
+    async with Scheduler(sinks=[sink], origin="engine") as s:
+        handle = s.threadsafe()
+
+        def engine(k: int) -> None:
+            for i in range(300):
+                handle.emit(ev(k * 1000 + i))
+                handle.tick()
+
+        async with anyio.create_task_group() as tg:
+            for k in range(3):
+                tg.start_soon(anyio.to_thread.run_sync, engine, k)
+        await anyio.to_thread.run_sync(handle.flush, 10)
+    for k in range(3):
+        mine = [e.block_hashes[0] for e in sink.events if e.block_hashes[0] // 1000 == k]
+        assert mine == [k * 1000 + i for i in range(300)]
+
+
+def test_a_full_block_sink_holds_the_engine_back_and_loses_nothing() -> None:
+    """A slow ``block`` sink: the steps wait on the loop, in order, and every one arrives."""
+    sink = MemorySink(delay=0.001, policy="block", max_batches=2)
+    with run_in_thread(Scheduler(sinks=[sink], origin="engine")) as kv:
+        for i in range(200):
+            kv.emit(ev(i))
+            kv.tick()
+    assert sink.events == [ev(i) for i in range(200)]
+    assert [b.seq for b in sink.batches] == list(range(200))
+
+
+def test_max_pending_bounds_what_is_queued() -> None:
+    sink = MemorySink(delay=0.002, policy="block", max_batches=1)
+    runner = LoopThread(Scheduler(sinks=[sink], origin="engine"), max_pending=4)
+    peak = 0
+    try:
+        for i in range(50):
+            runner.handle.step([ev(i)])
+            peak = max(peak, runner.handle.pending())
+    finally:
+        runner.close()
+    assert peak <= 4
+    assert sink.events == [ev(i) for i in range(50)]
+
+
+def test_a_loop_thread_that_cannot_start_raises_in_the_caller() -> None:
+    class Broken(MemorySink):
+        async def open(self) -> None:
+            raise OSError("no such device")
+
+    with pytest.raises(OSError, match="no such device"):
+        LoopThread(Scheduler(sinks=[Broken()]))
+    names = [t.name for t in threading.enumerate()]
+    assert not any(n.startswith("kvstream loop") for n in names)
+
+
+def test_run_in_thread_threads_are_daemons_and_end_on_exit() -> None:
+    with run_in_thread(Scheduler(sinks=[MemorySink()], origin="engine")) as kv:
+        loops = [t for t in threading.enumerate() if t.name == "kvstream loop engine"]
+        assert loops
+        assert all(t.daemon for t in loops)
+        kv.emit(AllBlocksCleared())
+    assert not any(t.is_alive() for t in loops)
+
+
+def test_flush_waits_for_every_entry() -> None:
+    sink = MemorySink(delay=0.001)
+    with run_in_thread(Scheduler(sinks=[sink], origin="engine")) as kv:
+        for i in range(20):
+            kv.emit(ev(i))
+            kv.tick()
+        kv.flush(timeout=10)
+        assert kv.pending() == 0

@@ -14,9 +14,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         function = getattr(item, "function", None)
         names = getattr(item, "fixturenames", None)
-        if inspect.iscoroutinefunction(function) and names is not None:
-            if "no_leaked_tasks" not in names:
-                names.append("no_leaked_tasks")
+        if (
+            inspect.iscoroutinefunction(function)
+            and names is not None
+            and "no_leaked_tasks" not in names
+        ):
+            names.append("no_leaked_tasks")
 
 
 @pytest.fixture

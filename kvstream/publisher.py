@@ -53,12 +53,14 @@ from typing import Any, Final, NamedTuple
 import msgspec
 from msgspec.structs import force_setattr
 
+from kvstream.codecs.base import Refusal
 from kvstream.errors import ConfigError, InvalidEventError, InvalidEventTypeError
 from kvstream.events import (
     EVENT_TYPES,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EventBatch,
     KVCacheEvent,
     shorten,
 )
@@ -474,8 +476,18 @@ class VllmWireCodec:
             return self._encode(_DirectBatch(batch.ts, events, batch.data_parallel_rank))
         return self._inner.encode(batch)
 
-    def decode(self, data: bytes | bytearray | memoryview, **where: Any) -> Any:
-        return self._inner.decode(data, **where)
+    def encode_screened(self, batch: Any) -> tuple[bytes, tuple[Refusal, ...]]:
+        events = batch.events
+        if events and type(events[0]) not in _KV_TYPES:
+            # vLLM's own structs, checked by type on the loop: nothing to screen.
+            return self._encode(_DirectBatch(batch.ts, events, batch.data_parallel_rank)), ()
+        return self._inner.encode_screened(batch)
+
+    def decode(self, data: bytes) -> EventBatch:
+        return self._inner.decode(data)
+
+    def decode_keyed(self, data: bytes, *, seq: int, origin: str, epoch: str) -> EventBatch:
+        return self._inner.decode_keyed(data, seq=seq, origin=origin, epoch=epoch)
 
     def __repr__(self) -> str:
         return "VllmWireCodec()"

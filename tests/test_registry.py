@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -213,3 +214,38 @@ def test_the_cli_uses_an_installed_plugin_end_to_end(tmp_path: Path) -> None:
     )
     assert tail.returncode == 0, tail.stderr
     assert len(tail.stdout.splitlines()) == 20
+
+
+def test_bench_measures_a_plugin_sink_url(tmp_path: Path) -> None:
+    (tmp_path / "site").mkdir()
+    plugin_root = install_plugin(tmp_path / "site")
+    out = tmp_path / "bench.jsonl"
+    report = tmp_path / "report.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin_root), str(REPO)])}
+    bench = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvstream",
+            "bench",
+            "--tiny",
+            "--no-progress",
+            "--only",
+            "sinks",
+            "--sink",
+            f"append:{out}",
+            "--json",
+            str(report),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert bench.returncode == 0, bench.stderr
+    data = json.loads(report.read_text())
+    rows = [r for b in data["results"] for r in b["rows"] if r["case"] == f"append:{out}"]
+    assert rows
+    assert rows[0]["events_per_s"] > 0
+    assert out.stat().st_size > 0

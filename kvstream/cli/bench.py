@@ -19,9 +19,10 @@ from typing import Any
 
 import anyio
 
-from kvstream.bench.per_sink import SINK_NAMES
+from kvstream.bench.per_sink import SINK_NAMES, is_sink_url
 from kvstream.bench.sizes import FULL, QUICK, TINY, Sizes
 from kvstream.bench.suite import BENCHMARKS, run_suite
+from kvstream.config import open_sink
 from kvstream.errors import ConfigError
 
 __all__ = ["QUICK_TIME", "missed_targets", "register", "run"]
@@ -76,9 +77,10 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--sink",
         action="append",
-        choices=SINK_NAMES,
-        metavar="NAME",
-        help="per-sink benchmark: only these sinks (repeatable): " + ", ".join(SINK_NAMES),
+        metavar="NAME|URL",
+        help="per-sink benchmark: only these sinks (repeatable): "
+        + ", ".join(SINK_NAMES)
+        + ", or any sink URL (a plug-in's scheme too)",
     )
     p.add_argument("--runs", type=int, metavar="N", help="timed runs per case (median of N)")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # smoke tests
@@ -216,6 +218,13 @@ async def run(args: argparse.Namespace) -> int:
     quick = bool(args.quick or args.tiny)
     only = args.only
     sinks = tuple(args.sink) if args.sink else SINK_NAMES
+    for name in sinks:
+        if is_sink_url(name):
+            open_sink(name)  # a bad URL fails here, with the URL's own error
+        elif name not in SINK_NAMES:
+            raise ConfigError(
+                f"--sink: expected one of {', '.join(SINK_NAMES)} or a sink URL, got {name!r}"
+            )
     if args.plot and only is not None and not {"efficiency", "zmq"} & set(only):
         raise ConfigError("--plot: needs the efficiency or zmq benchmark (add --only efficiency)")
     progress: Any = None

@@ -214,8 +214,7 @@ class BlockHasher:
         extra_keys: Sequence[Sequence[Any] | None] | None = None,
     ) -> U64:
         """The finished value of each of the first ``n_blocks`` blocks of ``token_ids``."""
-        size = self.block_size
-        data, wide = tokens_array(token_ids[: n_blocks * size])
+        data, wide = tokens_array(token_ids)  # the partial last block too: no copy
         v = self.values(data, n_blocks)
         salts = self.salts(token_ids, n_blocks, lora_name, extra_keys, wide)
         if salts is not None:

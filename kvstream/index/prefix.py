@@ -1089,29 +1089,33 @@ class PrefixIndex:
         if not n or not active or not v0:
             return []
         vals = list(map(get, own, repeat(0, n)))
-        # Runs of equal holders: most prompts have a handful.
-        changed = list(map(operator.ne, vals, vals[1:]))
         width = self._width
         ntiers = len(self._tiers)
-        weights = self._weights(tier_weights)
-        by_weight = sorted(range(ntiers), key=lambda t: -weights[t])
-        field = (1 << width) - 1
-        tier_alive = 0
+        tier_alive = 0  # (tier, slot) bits still within their tier's leading run
         for t in range(ntiers):
             tier_alive |= active << (t * width)
-        alive = active
+        alive = active  # slots still within their any-tier leading run
         ended_at: dict[int, tuple[int, int]] = {}  # slot -> (blocks, holders of the last)
-        tier_len: dict[int, int] = {}  # tier bit -> leading blocks on it
+        tier_len: dict[int, int] = {}  # (tier, slot) bit -> leading blocks on that tier
+        #: blocks per distinct holders value since ``alive`` last changed (scored in bulk)
+        segment: dict[int, int] = {}
         score: dict[int, float] = {}
+        weights = self._weights(tier_weights)
         shifts = self._shifts
-        start = 0
+        if vals.count(v0) == n:  # one run: the usual answer
+            runs: Any = ((0, n),)
+        else:
+            changed = list(map(operator.ne, vals, vals[1:]))
+            runs = _runs(changed, n)
         prev_v = 0
-        while start < n:
-            try:
-                end = changed.index(True, start) + 1
-            except ValueError:
-                end = n
+        seen: set[int] = set()
+        for start, end in runs:
             v = vals[start]
+            if v in seen:  # nothing can end on a value seen before: count it
+                segment[v] = segment.get(v, 0) + end - start
+                prev_v = v
+                continue
+            seen.add(v)
             gone = tier_alive & ~v
             if gone:
                 tier_alive &= v
@@ -1123,31 +1127,21 @@ class PrefixIndex:
             for shift in shifts:
                 held |= v >> shift
             held &= alive
-            gone = alive & ~held
-            if gone:
+            if held != alive:
+                self._score(segment, alive, weights, score)
+                segment = {}
+                gone = alive & ~held
                 alive = held
                 while gone:
                     low = gone & -gone
                     gone ^= low
                     ended_at[low.bit_length() - 1] = (start, prev_v)
-            if not alive:
-                break
-            run = end - start
-            rest = alive
-            for t in by_weight:
-                f = (v >> (t * width)) & field & rest
-                if f:
-                    rest &= ~f
-                    w = weights[t] * run
-                    while f:
-                        low = f & -f
-                        f ^= low
-                        slot = low.bit_length() - 1
-                        score[slot] = score.get(slot, 0.0) + w
-                    if not rest:
-                        break
+                if not alive:
+                    break
+            segment[v] = segment.get(v, 0) + end - start
             prev_v = v
-            start = end
+        if alive:
+            self._score(segment, alive, weights, score)
         while alive:
             low = alive & -alive
             alive ^= low
@@ -1191,6 +1185,29 @@ class PrefixIndex:
             )
         )
         return results
+
+    def _score(
+        self, segment: dict[int, int], alive: int, weights: list[float], score: dict[int, float]
+    ) -> None:
+        """Add, per slot of ``alive``, its blocks of ``segment`` times their best tier's weight."""
+        width = self._width
+        field = (1 << width) - 1
+        order = sorted(range(len(weights)), key=lambda t: -weights[t])
+        for v, count in segment.items():
+            rest = alive
+            for t in order:
+                f = (v >> (t * width)) & field & rest
+                if not f:
+                    continue
+                rest &= ~f
+                w = weights[t] * count
+                while f:
+                    low = f & -f
+                    f ^= low
+                    slot = low.bit_length() - 1
+                    score[slot] = score.get(slot, 0.0) + w
+                if not rest:
+                    break
 
     def _weights(self, override: Mapping[str, float] | None) -> list[float]:
         table = (
@@ -1259,6 +1276,21 @@ class PrefixIndex:
             f"<PrefixIndex block_size={self.block_size} streams={len(self._streams)} "
             f"blocks={len(self._nodes)}>"
         )
+
+
+def _runs(changed: list[bool], n: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each run of equal values, from ``changed[i]``: item i != item i+1."""
+    out = []
+    start = 0
+    find = changed.index
+    while start < n:
+        try:
+            end = find(True, start) + 1
+        except ValueError:
+            end = n
+        out.append((start, end))
+        start = end
+    return out
 
 
 def _checked_weights(weights: Mapping[str, float], what: str) -> dict[str, float]:

@@ -1216,6 +1216,26 @@ class PrefixIndex:
         d = self.default_weight
         return [table.get(name, d) for name in self._tiers]
 
+    # -- state -------------------------------------------------------------------------------
+
+    def dump(self) -> bytes:
+        """The whole state as bytes, versioned (see :mod:`kvstream.index.state`).
+
+        Taken between two batches, it holds each stream up to its ``next_seq``
+        (in ``statistics()``): resume each subscription from there.
+        """
+        from kvstream.index.state import dump_index
+
+        return dump_index(self)
+
+    def load(self, data: bytes) -> None:
+        """Load what :meth:`dump` returned into this index, which must be empty and
+        have the same ``block_size`` and ``seed`` (a :class:`ConfigError` says
+        which field differs). Other settings (weights, ttl, bounds) are this index's."""
+        from kvstream.index.state import load_index
+
+        load_index(self, data)
+
     # -- introspection -------------------------------------------------------------------------
 
     def origins(self) -> list[str]:

@@ -1152,6 +1152,7 @@ def test_cli_index_demo_routes_better_than_random(capsys: pytest.CaptureFixture[
     assert main(["index", "--demo", "--engines", "3", "--requests", "300"]) == 0
     out = capsys.readouterr().out
     assert "index routing" in out
+    assert "index-gpu routing" in out
     assert "random routing" in out
     rates = {
         line.split(":")[0].strip(): float(line.split("hit rate")[1].split("%")[0])
@@ -1159,6 +1160,23 @@ def test_cli_index_demo_routes_better_than_random(capsys: pytest.CaptureFixture[
         if "hit rate" in line
     }
     assert rates["index routing"] > rates["random routing"]
+    assert "late batches of retired epochs dropped" in out
+
+
+def test_demo_tier_weights_reuse_more_than_gpu_only_when_gpus_are_small() -> None:
+    from kvstream.index.demo import compare_routing
+
+    weighted, gpu_only, randomly = compare_routing(
+        engines=3, requests=600, gpu_blocks=128, ranks=2, seed=0
+    )
+    assert (weighted.policy, gpu_only.policy, randomly.policy) == ("index", "index-gpu", "random")
+    assert weighted.reusable_rate > gpu_only.reusable_rate > randomly.reusable_rate
+    assert weighted.misrouted > 0  # the lost engine was still indexed until its ttl ran out
+    stats = weighted.index
+    assert stats is not None
+    assert stats.expired == 2  # both ranks of the lost engine
+    assert stats.retired_epoch_batches > 0
+    assert {o.data_parallel_rank for o in stats.origins.values()} == {0, 1}
 
 
 def test_cli_index_needs_a_url_or_demo(capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,6 +18,7 @@ alone, and at random, and prints the hit rates.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -122,6 +123,7 @@ def register(sub: Any) -> None:
     p.add_argument("--engines", type=int, default=4, help="demo: simulated engines (4)")
     p.add_argument("--requests", type=int, default=2000, help="demo: requests routed (2000)")
     p.add_argument("--gpu-blocks", type=int, default=1024, help="demo: GPU blocks per engine")
+    p.add_argument("--ranks", type=int, default=2, help="demo: data-parallel ranks per engine (2)")
     add_metrics_option(p)
     p.set_defaults(func=run)
 
@@ -274,36 +276,48 @@ def _write_state(path: Path, data: bytes) -> None:
 
 def _describe(result: RoutingResult) -> str:
     return (
-        f"  {result.policy + ' routing':<15}: hit rate {100 * result.hit_rate:5.1f}% "
-        f"({result.blocks_hit:,} of {result.blocks_requested:,} prompt blocks cached "
-        f"on the chosen engine; requests per engine {result.load})"
+        f"  {result.policy + ' routing':<19}: hit rate {100 * result.hit_rate:5.1f}% on GPU, "
+        f"{100 * result.reusable_rate:5.1f}% reusable on any tier "
+        f"({result.blocks_hit:,} / {result.blocks_reusable:,} of {result.blocks_requested:,} "
+        f"prompt blocks); misrouted to the lost engine {result.misrouted}"
     )
 
 
 def _demo(args: argparse.Namespace) -> int:
-    indexed, randomly = compare_routing(
-        engines=args.engines,
-        requests=args.requests,
-        seed=args.seed,
-        block_size=args.block_size,
-        gpu_blocks=args.gpu_blocks,
-    )
+    quiet = logging.getLogger("kvstream.index")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # expiries are expected here: the summary counts them
+    try:
+        results = compare_routing(
+            engines=args.engines,
+            requests=args.requests,
+            seed=args.seed,
+            block_size=args.block_size,
+            gpu_blocks=args.gpu_blocks,
+            ranks=args.ranks,
+        )
+    finally:
+        quiet.setLevel(level)
     print(
-        f"kvstream index demo: {args.engines} simulated engines, {args.requests:,} requests "
-        f"(seed {args.seed}, block size {args.block_size}, {args.gpu_blocks} GPU blocks each)"
+        f"kvstream index demo: {args.engines} simulated engines x {args.ranks} DP ranks, "
+        f"{args.requests:,} requests (seed {args.seed}, block size {args.block_size}, "
+        f"{args.gpu_blocks} GPU blocks each); a rank restarts every {max(args.requests // 5, 1)} "
+        "requests (a late batch of its old epoch follows), engine-0 is lost at mid-run"
     )
-    print(_describe(indexed))
-    print(_describe(randomly))
-    stats = indexed.index
+    for result in results:
+        print(_describe(result))
+    stats = results[0].index
     if stats is not None:
         tiers: dict[str, int] = {}
         for origin in stats.origins.values():
             for medium, n in origin.by_medium.items():
                 tiers[medium] = tiers.get(medium, 0) + n
         per_tier = ", ".join(f"{m} {n:,}" for m, n in tiers.items())
-        mean = 1e6 * indexed.match_seconds / indexed.matches if indexed.matches else 0.0
+        mean = 1e6 * results[0].match_seconds / results[0].matches if results[0].matches else 0.0
         print(
-            f"  index: {stats.distinct_blocks:,} distinct blocks ({per_tier}), "
-            f"about {stats.memory_bytes / 2**20:.1f} MiB; mean match {mean:.0f} µs"
+            f"  index: {len(stats.origins)} live streams, {stats.distinct_blocks:,} distinct "
+            f"blocks ({per_tier}), about {stats.memory_bytes / 2**20:.1f} MiB; "
+            f"{stats.restarts} restarts, {stats.retired_epoch_batches} late batches of retired "
+            f"epochs dropped, {stats.expired} streams expired (ttl); mean match {mean:.0f} µs"
         )
     return 0

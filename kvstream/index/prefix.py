@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from itertools import repeat
 from types import EllipsisType, MappingProxyType
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, cast
 
 import numpy as np
 
@@ -308,6 +308,9 @@ class PrefixIndex:
         #: (slot << 60 | engine key) -> None, least recently stored first (max_blocks only)
         self._lru: OrderedDict[int, None] | None = OrderedDict() if max_blocks else None
         self._nodes: dict[int, int] = {}
+        #: the current batch's block values, and the last run of chained hashes computed
+        self._batch_fin: Any = None
+        self._run_cache: tuple[int, int, list[int], int] | None = None
         self._streams: dict[StreamKey, _Stream] = {}
         self._slots: list[_Stream | None] = []
         self._width = 8
@@ -394,11 +397,11 @@ class PrefixIndex:
         counts["batches"] += 1
         events = item.events
         counts["events"] += len(events)
-        values = self._batch_values(events)
+        prepared = self._batch_values(events)
         for i, event in enumerate(events):
             kind = type(event)
             if kind is BlockStored:
-                self._store(state, event, values.get(i))  # type: ignore[arg-type]
+                self._store(state, event, prepared.get(i))  # type: ignore[arg-type]
             elif kind is BlockRemoved:
                 self._remove(state, event)  # type: ignore[arg-type]
             elif kind is AllBlocksCleared:
@@ -406,15 +409,20 @@ class PrefixIndex:
             else:  # pragma: no cover - the event union is closed
                 raise AssertionError(f"unknown event type {kind.__name__}")
 
-    def _batch_values(self, events: Sequence[Any]) -> dict[int, list[int]]:
+    def _batch_values(self, events: Sequence[Any]) -> dict[int, tuple[list[int], int, int]]:
         """The hash values of every index block of the batch's stores, in one numpy pass.
 
-        Returns event position -> values (``block_size // index block size`` per
-        engine block), for stores with tokens of a block size the index maps.
+        Returns event position -> (values, first, run end), for stores with tokens
+        of a block size the index maps: ``values`` has ``block_size // index
+        block size`` per engine block; ``first`` is where they start in the
+        batch's value array (kept in ``self._batch_fin``), and ``run end`` where
+        the run of stores chained one on the previous one ends (their hashes are
+        then chained in one numpy pass).
         """
         size = self._hasher.block_size
         tokens: list[int] = []
         spans: list[tuple[int, int, int]] = []  # (event position, first block, blocks)
+        run_starts: list[bool] = []
         salted = False
         n = 0
         for i, event in enumerate(events):
@@ -424,6 +432,16 @@ class PrefixIndex:
             if not t or event.block_size % size:
                 continue
             m = len(t) // size
+            if (
+                spans
+                and event.parent_block_hash is not None
+                and event.block_size == size
+                and events[spans[-1][0]].block_size == size
+                and event.parent_block_hash == events[spans[-1][0]].block_hashes[-1]
+            ):
+                run_starts.append(False)
+            else:
+                run_starts.append(True)
             spans.append((i, n, m))
             tokens += t
             n += m
@@ -432,6 +450,7 @@ class PrefixIndex:
         if not n:
             return {}
         hasher = self._hasher
+        self._run_cache = None
         data, wide = tokens_array(tokens, "BlockStored.token_ids")
         v = hasher.values(data, n)
         if salted or wide:
@@ -452,8 +471,16 @@ class PrefixIndex:
                 if s is not None:
                     salts[first : first + m] = s
             v ^= salts
-        out: list[int] = hasher.finish(v).tolist()
-        return {i: out[first : first + m] for i, first, m in spans}
+        fin = hasher.finish(v)
+        self._batch_fin = fin
+        out: list[int] = fin.tolist()
+        result = {}
+        end = n
+        for (i, first, m), starts in zip(reversed(spans), reversed(run_starts), strict=True):
+            result[i] = (out[first : first + m], first, end)
+            if starts:
+                end = first
+        return result
 
     def heartbeat(self, origin: str, data_parallel_rank: int | None = None) -> bool:
         """Mark a stream alive now (for ``ttl``), as a batch would. False if unknown."""
@@ -640,7 +667,9 @@ class PrefixIndex:
 
     # -- events ----------------------------------------------------------------------------
 
-    def _store(self, state: _Stream, event: BlockStored, values: list[int] | None) -> None:
+    def _store(
+        self, state: _Stream, event: BlockStored, prepared: tuple[list[int], int, int] | None
+    ) -> None:
         hashes = event.block_hashes
         if not hashes:
             return
@@ -652,9 +681,10 @@ class PrefixIndex:
         if not event.token_ids:
             self._store_placeholders(state, _fold_all(hashes), t)
             return
-        if values is None:  # a block size the index cannot map
+        if prepared is None:  # a block size the index cannot map
             self._note(state, "wrong_block_size", len(hashes))
             return
+        values, first, run_end = prepared
         per = event.block_size // self._hasher.block_size
         state.block_size = event.block_size
         if per != 1:
@@ -676,6 +706,35 @@ class PrefixIndex:
         nodes = self._nodes
         bit = state.bits[t]
         lru = self._lru
+        if (
+            prev is not None
+            and per == 1
+            and lru is None
+            and not state.orphans
+            and not state.spans
+            and not any(map(blocks.__contains__, keys))
+            and not (recent and any(map(recent.__contains__, keys)))
+        ):
+            # The usual event: every block new, its chain known. In bulk, in C where it can be;
+            # the hashes of a run of chained stores are computed once, with numpy.
+            m = len(values)
+            cache = self._run_cache
+            if cache is not None and cache[0] == first and cache[1] == prev:
+                chained, offset = cache[2], cache[3]
+            else:
+                chained = self._hasher.chain_values(prev, self._batch_fin[first:run_end])
+                offset = 0
+            owns = chained[offset : offset + m]
+            self._run_cache = (first + m, owns[-1], chained, offset + m)
+            blocks.update(zip(keys, owns, strict=True))
+            olds = list(map(nodes.get, owns, repeat(0)))
+            if not any(map(operator.and_, olds, repeat(bit))):
+                nodes.update(zip(owns, map(operator.or_, olds, repeat(bit)), strict=True))
+                state.held[t] += len(owns)
+            else:  # a block this tier holds under another engine hash: counted in dups
+                for o in owns:
+                    self._add(state, o, t)
+            return
         slot_tag = state.slot << 60
         added = 0
         for i, key in enumerate(keys):
@@ -761,6 +820,17 @@ class PrefixIndex:
         """Placeholders (no tokens): a tier now holds blocks the index may know."""
         blocks = state.blocks
         lru = self._lru
+        if lru is None and not state.spans:
+            found = list(map(blocks.get, keys))
+            if None not in found:  # the usual case, in bulk: known blocks on a new tier
+                owns = cast("list[int]", found)
+                nodes = self._nodes
+                bit = state.bits[t]
+                olds = list(map(nodes.get, owns, repeat(0)))
+                if not any(map(operator.and_, olds, repeat(bit))):
+                    nodes.update(zip(owns, map(operator.or_, olds, repeat(bit)), strict=True))
+                    state.held[t] += len(owns)
+                    return
         for key in keys:
             own = blocks.get(key)
             if own is None and state.recent:

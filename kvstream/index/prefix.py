@@ -240,7 +240,7 @@ class _Stream:
 
 def _fold_all(hashes: list[BlockHash]) -> list[int]:
     try:
-        return [h & _ENGINE_MASK for h in hashes]  # type: ignore[operator]
+        return list(map(operator.and_, hashes, repeat(_ENGINE_MASK)))
     except TypeError:  # bytes digests
         return [fold_engine_hash(h) for h in hashes]
 
@@ -673,10 +673,13 @@ class PrefixIndex:
         hashes = event.block_hashes
         if not hashes:
             return
-        t = self._tier(event.medium)
-        if t < 0:
-            self._note(state, "unknown_media", len(hashes))
-            return
+        medium = event.medium
+        t = self._tier_index.get("GPU" if medium is None else medium)
+        if t is None:
+            t = self._tier(event.medium)
+            if t < 0:
+                self._note(state, "unknown_media", len(hashes))
+                return
         self._counts["blocks_stored"] += len(hashes)
         if not event.token_ids:
             self._store_placeholders(state, _fold_all(hashes), t)
@@ -697,7 +700,7 @@ class PrefixIndex:
             prev: int | None = self._hasher.root
             prev_key = -1
         else:
-            prev_key = fold_engine_hash(parent)
+            prev_key = parent & _ENGINE_MASK if type(parent) is int else fold_engine_hash(parent)
             prev = blocks.get(prev_key)
             if prev is None and recent:
                 prev = recent.get(prev_key)
@@ -728,7 +731,10 @@ class PrefixIndex:
             self._run_cache = (first + m, owns[-1], chained, offset + m)
             blocks.update(zip(keys, owns, strict=True))
             olds = list(map(nodes.get, owns, repeat(0)))
-            if not any(map(operator.and_, olds, repeat(bit))):
+            if not any(olds):  # blocks no stream holds yet
+                nodes.update(zip(owns, repeat(bit)))
+                state.held[t] += len(owns)
+            elif not any(map(operator.and_, olds, repeat(bit))):
                 nodes.update(zip(owns, map(operator.or_, olds, repeat(bit)), strict=True))
                 state.held[t] += len(owns)
             else:  # a block this tier holds under another engine hash: counted in dups

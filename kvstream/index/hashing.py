@@ -37,13 +37,17 @@ import hashlib
 import sys
 from array import array
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
-import numpy as np
-import numpy.typing as npt
 
 from kvstream.errors import ConfigError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    U64 = npt.NDArray[np.uint64]
 
 __all__ = ["HASH_BITS", "BlockHasher", "fold_engine_hash", "tokens_array"]
 
@@ -56,8 +60,6 @@ _M64: Final = (1 << 64) - 1
 _ENGINE_MASK: Final = (1 << 60) - 1
 
 _encode_payload = msgspec.msgpack.Encoder().encode
-
-U64 = npt.NDArray[np.uint64]
 
 
 def fold_engine_hash(h: int | bytes) -> int:
@@ -128,6 +130,8 @@ class BlockHasher:
     )
 
     def __init__(self, block_size: int, seed: int | str | bytes = 0) -> None:
+        import numpy as np  # imported on first use: `import kvstream` stays light
+
         if type(block_size) is not int or block_size <= 0:
             raise ConfigError(f"block_size: expected a positive int, got {block_size!r}")
         self.block_size = block_size
@@ -154,6 +158,8 @@ class BlockHasher:
 
     def _powers(self, n: int) -> tuple[U64, U64]:
         """``P**j`` and ``P**-j`` for j = 1..n (mod 2**64), grown on demand."""
+        import numpy as np  # imported on first use: `import kvstream` stays light
+
         if len(self._pow) < n:
             size = max(n, 2 * len(self._pow), 64)
             p = self.multiplier
@@ -174,6 +180,8 @@ class BlockHasher:
         """Each block's value ``v`` (before its salt is mixed in): ``data`` holds
         at least ``n_blocks`` blocks of uint32 little-endian tokens (bytes, an
         ``array('I')`` or a memoryview)."""
+        import numpy as np  # imported on first use: `import kvstream` stays light
+
         if self._odd:
             words = np.frombuffer(data, dtype="<u4", count=n_blocks * self.block_size)
             x = words.astype(np.uint64).reshape(n_blocks, self._words)
@@ -230,6 +238,8 @@ class BlockHasher:
         wide: bool,
     ) -> U64 | None:
         """Per-block salts, or None when every block's is 0."""
+        import numpy as np  # imported on first use: `import kvstream` stays light
+
         if lora_name is None and extra_keys is None and not wide:
             return None
         size = self.block_size
@@ -246,6 +256,8 @@ class BlockHasher:
 
     def chain_values(self, parent: int, v: U64) -> list[int]:
         """The hashes of blocks of finished values ``v`` chained on the hash ``parent``."""
+        import numpy as np  # imported on first use: `import kvstream` stays light
+
         n = len(v)
         if not n:
             return []

@@ -34,8 +34,6 @@ from itertools import repeat
 from types import EllipsisType, MappingProxyType
 from typing import Any, Final, NamedTuple, cast
 
-import numpy as np
-
 from kvstream.consumers.base import Gap
 from kvstream.errors import ConfigError
 from kvstream.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
@@ -454,6 +452,8 @@ class PrefixIndex:
         data, wide = tokens_array(tokens, "BlockStored.token_ids")
         v = hasher.values(data, n)
         if salted or wide:
+            import numpy as np
+
             salts = np.zeros(n, dtype=np.uint64)
             for i, first, m in spans:
                 event = events[i]

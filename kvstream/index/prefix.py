@@ -306,6 +306,9 @@ class PrefixIndex:
         #: (slot << 60 | engine key) -> None, least recently stored first (max_blocks only)
         self._lru: OrderedDict[int, None] | None = OrderedDict() if max_blocks else None
         self._nodes: dict[int, int] = {}
+        #: one int object per distinct holders value: a match compares them by identity
+        #: and touches a few hot objects instead of one per block (bounded: see apply)
+        self._canon: dict[int, int] = {}
         #: the current batch's block values, and the last run of chained hashes computed
         self._batch_fin: Any = None
         self._run_cache: tuple[int, int, list[int], int] | None = None
@@ -396,6 +399,8 @@ class PrefixIndex:
         events = item.events
         counts["events"] += len(events)
         prepared = self._batch_values(events)
+        if len(self._canon) > 65536:  # only an optimisation: start afresh
+            self._canon = {}
         for i, event in enumerate(events):
             kind = type(event)
             if kind is BlockStored:
@@ -610,11 +615,13 @@ class PrefixIndex:
         field = (1 << old) - 1
         tiers = range(len(self._tiers))
         nodes = self._nodes
+        self._canon = {}
+        canon = self._canon.setdefault
         for own, v in nodes.items():
             new = 0
             for t in tiers:
                 new |= ((v >> (t * old)) & field) << (t * width)
-            nodes[own] = new
+            nodes[own] = canon(new, new)
         self._width = width
         self._shifts = [t * width for t in range(1, len(self._tiers))]
         for state in self._streams.values():
@@ -707,6 +714,7 @@ class PrefixIndex:
         p = self._hasher.multiplier
         mask = _HASH_MASK
         nodes = self._nodes
+        canon = self._canon.setdefault
         bit = state.bits[t]
         lru = self._lru
         if (
@@ -735,7 +743,8 @@ class PrefixIndex:
                 nodes.update(zip(owns, repeat(bit)))
                 state.held[t] += len(owns)
             elif not any(map(operator.and_, olds, repeat(bit))):
-                nodes.update(zip(owns, map(operator.or_, olds, repeat(bit)), strict=True))
+                merged = list(map(operator.or_, olds, repeat(bit)))
+                nodes.update(zip(owns, map(canon, merged, merged), strict=True))
                 state.held[t] += len(owns)
             else:  # a block this tier holds under another engine hash: counted in dups
                 for o in owns:
@@ -781,7 +790,8 @@ class PrefixIndex:
             if v & bit:
                 self._add(state, own, t)  # stored again: counted in dups
             else:
-                nodes[own] = v | bit
+                v |= bit
+                nodes[own] = canon(v, v)
                 added += 1
             prev = own
             prev_key = key
@@ -818,7 +828,7 @@ class PrefixIndex:
                 state.dups.pop(own | t << _TIER_SHIFT, None)
         v &= ~state.anymask
         if v:
-            nodes[own] = v
+            nodes[own] = self._canon.setdefault(v, v)
         else:
             nodes.pop(own, None)
 
@@ -834,7 +844,9 @@ class PrefixIndex:
                 bit = state.bits[t]
                 olds = list(map(nodes.get, owns, repeat(0)))
                 if not any(map(operator.and_, olds, repeat(bit))):
-                    nodes.update(zip(owns, map(operator.or_, olds, repeat(bit)), strict=True))
+                    merged = list(map(operator.or_, olds, repeat(bit)))
+                    canon = self._canon.setdefault
+                    nodes.update(zip(owns, map(canon, merged, merged), strict=True))
                     state.held[t] += len(owns)
                     return
         for key in keys:
@@ -868,7 +880,8 @@ class PrefixIndex:
             key = own | t << _TIER_SHIFT
             state.dups[key] = state.dups.get(key, 0) + 1
         else:
-            nodes[own] = v | bit
+            v |= bit
+            nodes[own] = self._canon.setdefault(v, v)
             state.held[t] += 1
 
     def _remove(self, state: _Stream, event: BlockRemoved) -> None:
@@ -940,7 +953,7 @@ class PrefixIndex:
         v ^= bit
         state.held[t] -= 1
         if v:
-            nodes[own] = v
+            nodes[own] = self._canon.setdefault(v, v)
         else:
             del nodes[own]
         return True
@@ -957,7 +970,7 @@ class PrefixIndex:
             if v is not None:
                 v &= keep
                 if v:
-                    nodes[own] = v
+                    nodes[own] = self._canon.setdefault(v, v)
                 else:
                     del nodes[own]
         if self._lru is not None:
@@ -1181,7 +1194,9 @@ class PrefixIndex:
         if vals.count(v0) == n:  # one run: the usual answer
             runs: Any = ((0, n),)
         else:
-            changed = list(map(operator.ne, vals, vals[1:]))
+            # Equal holders are one object (see _canon): identity is enough, and cheaper.
+            # A run split in two by a stray equal object is still counted right.
+            changed = list(map(operator.is_not, vals, vals[1:]))
             runs = _runs(changed, n)
         prev_v = 0
         seen: set[int] = set()

@@ -193,12 +193,12 @@ def _load(index: PrefixIndex, doc: dict[str, Any]) -> None:
         blocks = state.blocks
         for key, own, mask in zip(keys, owns, masks, strict=True):
             blocks[key] = own
-            _set(nodes, own, mask, tiers, bits, held)
+            _set(nodes, own, mask, tiers, bits, held, index._canon)
         for key, span, span_masks in row["spans"]:
             blocks[key] = span[-1]
             state.spans[key] = list(span)
             for own, mask in zip(span, span_masks, strict=True):
-                _set(nodes, own, mask, tiers, bits, held)
+                _set(nodes, own, mask, tiers, bits, held, index._canon)
         for key, span in row["recent_spans"]:
             state.spans[key] = list(span)
         for own, t, n in row["dups"]:
@@ -223,7 +223,13 @@ def _load(index: PrefixIndex, doc: dict[str, Any]) -> None:
 
 
 def _set(
-    nodes: dict[int, int], own: int, mask: int, tiers: list[int], bits: list[int], held: list[int]
+    nodes: dict[int, int],
+    own: int,
+    mask: int,
+    tiers: list[int],
+    bits: list[int],
+    held: list[int],
+    canon: dict[int, int],
 ) -> None:
     v = nodes.get(own, 0)
     t = 0
@@ -233,4 +239,4 @@ def _set(
             held[tiers[t]] += 1
         mask >>= 1
         t += 1
-    nodes[own] = v
+    nodes[own] = canon.setdefault(v, v)

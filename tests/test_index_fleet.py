@@ -5,10 +5,12 @@ from __future__ import annotations
 import hashlib
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstream import PrefixIndex, PrefixMatch
+from kvstream.errors import ConfigError
 from kvstream.events import BlockRemoved, BlockStored, EventBatch
 from kvstream.index.keys import vllm_extra_keys
 from kvstream.sim import SimulatedEngine
@@ -274,3 +276,21 @@ def test_bytes_and_engine_hash_queries_agree_with_match() -> None:
         PrefixMatch("y", 1, "GPU"),
     ]
     assert index.match_engine_hashes([77]) == []
+
+
+def test_bad_tokens_are_refused_even_by_an_empty_index() -> None:
+    index = PrefixIndex(block_size=B)
+    with pytest.raises(ConfigError, match="token_ids"):
+        index.match([1, 2, -3, 4])
+    with pytest.raises(ConfigError, match="token_ids"):
+        index.match([1, 2, 3.5, 4])  # type: ignore[list-item]
+    assert index.match([1, 2, 3]) == []  # no full block
+
+
+def test_tokens_of_64_bits_hash_apart_from_their_low_32_bits() -> None:
+    index = PrefixIndex(block_size=B)
+    wide = [1, 2, 3, (1 << 40) + 4]
+    index.apply(_batch(0, [_stored([1], wide)]))
+    assert head(index.match(wide)) == [PrefixMatch("a", 1, "GPU")]
+    assert index.match([1, 2, 3, 4]) == []
+    assert index.hashes(wide) != index.hashes([1, 2, 3, 4])

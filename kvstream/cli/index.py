@@ -302,7 +302,7 @@ def _demo(args: argparse.Namespace) -> int:
         f"kvstream index demo: {args.engines} simulated engines x {args.ranks} DP ranks, "
         f"{args.requests:,} requests (seed {args.seed}, block size {args.block_size}, "
         f"{args.gpu_blocks} GPU blocks each); a rank restarts every {max(args.requests // 5, 1)} "
-        "requests (a late batch of its old epoch follows), engine-0 is lost at mid-run"
+        "requests (late batches of its old epoch follow), engine-0 is lost at mid-run"
     )
     for result in results:
         print(_describe(result))

@@ -1090,11 +1090,12 @@ class PrefixIndex:
         most blocks, fresh before stale, the faster tier, then by origin and rank.
         """
         n = len(token_ids) // self._hasher.block_size
-        if not n or not self._nodes:
+        if not n:
             return []
-        return self._match_hashes(
-            self._own_hashes(token_ids, n, lora_name, extra_keys), include_stale, tier_weights
-        )
+        own = self._own_hashes(token_ids, n, lora_name, extra_keys)  # validates the tokens
+        if not self._nodes:
+            return []
+        return self._match_hashes(own, include_stale, tier_weights)
 
     def match_bytes(
         self,

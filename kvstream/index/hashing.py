@@ -256,19 +256,21 @@ class BlockHasher:
 
     def chain_values(self, parent: int, v: U64) -> list[int]:
         """The hashes of blocks of finished values ``v`` chained on the hash ``parent``."""
+        out: list[int] = self.chain_array(parent, v).tolist()
+        return out
+
+    def chain_array(self, parent: int, v: U64) -> U64:
+        """:meth:`chain_values` as a uint64 array."""
         import numpy as np  # imported on first use: `import kvstream` stays light
 
         n = len(v)
-        if not n:
-            return []
         pw, ipw = self._powers(n)
         acc = v * ipw
         np.cumsum(acc, out=acc)
         acc += np.uint64(parent)
         acc *= pw
         acc &= np.uint64(_MASK)
-        out: list[int] = acc.tolist()
-        return out
+        return acc
 
     # -- the reference spelling -------------------------------------------------------------
 

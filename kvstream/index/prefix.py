@@ -39,6 +39,7 @@ from kvstream.errors import ConfigError
 from kvstream.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
 from kvstream.index.hashing import BlockHasher, fold_engine_hash, tokens_array
 from kvstream.index.keys import split_lora
+from kvstream.index.table import NodeTable
 
 __all__ = [
     "DEFAULT_TIER_WEIGHTS",
@@ -309,6 +310,11 @@ class PrefixIndex:
         #: one int object per distinct holders value: a match compares them by identity
         #: and touches a few hot objects instead of one per block (bounded: see apply)
         self._canon: dict[int, int] = {}
+        #: a numpy copy of nodes for whole-prompt lookups (None: holders too wide for it),
+        #: the own hashes changed since it was last synced, and whether to rebuild it
+        self._table: NodeTable | None = NodeTable()
+        self._dirty: set[int] = self._table.dirty
+        self._table_stale = False
         #: the current batch's block values, and the last run of chained hashes computed
         self._batch_fin: Any = None
         self._run_cache: tuple[int, int, list[int], int] | None = None
@@ -401,6 +407,9 @@ class PrefixIndex:
         prepared = self._batch_values(events)
         if len(self._canon) > 65536:  # only an optimisation: start afresh
             self._canon = {}
+        if len(self._dirty) > 65536 + len(self._nodes) // 4:  # cheaper to rebuild the table
+            self._dirty.clear()
+            self._table_stale = True
         for i, event in enumerate(events):
             kind = type(event)
             if kind is BlockStored:
@@ -624,6 +633,7 @@ class PrefixIndex:
             nodes[own] = canon(new, new)
         self._width = width
         self._shifts = [t * width for t in range(1, len(self._tiers))]
+        self._table_stale = True
         for state in self._streams.values():
             self._set_bits(state)
 
@@ -738,6 +748,7 @@ class PrefixIndex:
             owns = chained[offset : offset + m]
             self._run_cache = (first + m, owns[-1], chained, offset + m)
             blocks.update(zip(keys, owns, strict=True))
+            self._dirty.update(owns)
             olds = list(map(nodes.get, owns, repeat(0)))
             if not any(olds):  # blocks no stream holds yet
                 nodes.update(zip(owns, repeat(bit)))
@@ -792,6 +803,7 @@ class PrefixIndex:
             else:
                 v |= bit
                 nodes[own] = canon(v, v)
+                self._dirty.add(own)
                 added += 1
             prev = own
             prev_key = key
@@ -827,6 +839,7 @@ class PrefixIndex:
                 state.held[t] -= 1
                 state.dups.pop(own | t << _TIER_SHIFT, None)
         v &= ~state.anymask
+        self._dirty.add(own)
         if v:
             nodes[own] = self._canon.setdefault(v, v)
         else:
@@ -847,6 +860,7 @@ class PrefixIndex:
                     merged = list(map(operator.or_, olds, repeat(bit)))
                     canon = self._canon.setdefault
                     nodes.update(zip(owns, map(canon, merged, merged), strict=True))
+                    self._dirty.update(owns)
                     state.held[t] += len(owns)
                     return
         for key in keys:
@@ -882,6 +896,7 @@ class PrefixIndex:
         else:
             v |= bit
             nodes[own] = self._canon.setdefault(v, v)
+            self._dirty.add(own)
             state.held[t] += 1
 
     def _remove(self, state: _Stream, event: BlockRemoved) -> None:
@@ -952,6 +967,7 @@ class PrefixIndex:
                 return True
         v ^= bit
         state.held[t] -= 1
+        self._dirty.add(own)
         if v:
             nodes[own] = self._canon.setdefault(v, v)
         else:
@@ -965,9 +981,11 @@ class PrefixIndex:
         owns: Any = state.blocks.values()
         if state.spans:
             owns = [o for span in state.spans.values() for o in span] + list(owns)
+        dirty = self._dirty
         for own in owns:
             v = nodes.get(own)
             if v is not None:
+                dirty.add(own)
                 v &= keep
                 if v:
                     nodes[own] = self._canon.setdefault(v, v)
@@ -1056,7 +1074,8 @@ class PrefixIndex:
     ) -> list[int]:
         """The index's own hash of every full block of ``token_ids``."""
         n = len(token_ids) // self._hasher.block_size
-        return self._own_hashes(token_ids, n, lora_name, extra_keys)
+        out: list[int] = self._own_hashes(token_ids, n, lora_name, extra_keys).tolist()
+        return out
 
     def _own_hashes(
         self,
@@ -1064,12 +1083,12 @@ class PrefixIndex:
         n: int,
         lora_name: str | None,
         extra_keys: Sequence[Sequence[Any] | None] | None,
-    ) -> list[int]:
+    ) -> Any:
         hasher = self._hasher
         if extra_keys is not None:
             extra_keys = [split_lora(lora_name, e) for e in extra_keys]
         v = hasher.block_values(token_ids, n, lora_name, extra_keys)
-        return hasher.chain_values(hasher.root, v)
+        return hasher.chain_array(hasher.root, v)
 
     def match(
         self,
@@ -1121,7 +1140,7 @@ class PrefixIndex:
             salts = hasher.salts((), n, lora_name, keys, False)
             if salts is not None:
                 v ^= salts
-        own = hasher.chain_values(hasher.root, hasher.finish(v))
+        own = hasher.chain_array(hasher.root, hasher.finish(v))
         return self._match_hashes(own, include_stale, tier_weights)
 
     def match_engine_hashes(
@@ -1162,10 +1181,11 @@ class PrefixIndex:
 
     def _match_hashes(
         self,
-        own: list[int],
+        own: Any,
         include_stale: bool,
         tier_weights: Mapping[str, float] | None,
     ) -> list[PrefixMatch]:
+        """``own``: the prompt's own hashes, a list or a uint64 array."""
         if self.ttl is not None:
             now = self._clock()
             if now >= self._next_expiry:
@@ -1174,11 +1194,11 @@ class PrefixIndex:
         if not include_stale:
             active &= ~self._stale_mask
         n = len(own)
-        get = self._nodes.get
-        v0 = get(own[0], 0)
-        if not n or not active or not v0:
+        if not n or not active:
             return []
-        vals = list(map(get, own, repeat(0, n)))
+        runs, run_values = self._holders(own, n)
+        if not runs:
+            return []
         width = self._width
         ntiers = len(self._tiers)
         tier_alive = 0  # (tier, slot) bits still within their tier's leading run
@@ -1192,17 +1212,9 @@ class PrefixIndex:
         score: dict[int, float] = {}
         weights = self._weights(tier_weights)
         shifts = self._shifts
-        if vals.count(v0) == n:  # one run: the usual answer
-            runs: Any = ((0, n),)
-        else:
-            # Equal holders are one object (see _canon): identity is enough, and cheaper.
-            # A run split in two by a stray equal object is still counted right.
-            changed = list(map(operator.is_not, vals, vals[1:]))
-            runs = _runs(changed, n)
         prev_v = 0
         seen: set[int] = set()
-        for start, end in runs:
-            v = vals[start]
+        for (start, end), v in zip(runs, run_values, strict=True):
             if v in seen:  # nothing can end on a value seen before: count it
                 segment[v] = segment.get(v, 0) + end - start
                 prev_v = v
@@ -1277,6 +1289,46 @@ class PrefixIndex:
             )
         )
         return results
+
+    def _holders(self, own: Any, n: int) -> tuple[list[tuple[int, int]], list[int]]:
+        """Runs ``[start, end)`` of blocks with equal holders, and those holders, up to the
+        prompt's end; nothing when no stream holds the first block."""
+        table = self._table
+        if table is not None:
+            try:
+                if self._table_stale:
+                    self._table_stale = False
+                    table.rebuild(self._nodes)
+                elif not table.sync(self._nodes):
+                    raise OverflowError
+            except OverflowError:  # holders wider than 64 bits: look up in the dict from now on
+                self._table = table = None
+                self._dirty = set()
+        if table is not None:
+            import numpy as np
+
+            if type(own) is list:
+                own = np.array(own, dtype=np.uint64)
+            vals = table.lookup(own)
+            if not vals[0]:
+                return [], []
+            cuts: list[int] = (np.flatnonzero(vals[1:] != vals[:-1]) + 1).tolist()
+            starts = [0, *cuts]
+            values: list[int] = vals[starts].tolist()
+            return list(zip(starts, [*cuts, n], strict=True)), values
+        if type(own) is not list:
+            own = own.tolist()
+        get = self._nodes.get
+        found = list(map(get, own, repeat(0, n)))
+        v0 = found[0]
+        if not v0:
+            return [], []
+        if found.count(v0) == n:  # one run: the usual answer
+            return [(0, n)], [v0]
+        # Equal holders are one object (see _canon): identity is enough, and cheaper.
+        # A run split in two by a stray equal object is still counted right.
+        runs = _runs(list(map(operator.is_not, found, found[1:])), n)
+        return runs, [found[s] for s, _ in runs]
 
     def _score(
         self, segment: dict[int, int], alive: int, weights: list[float], score: dict[int, float]

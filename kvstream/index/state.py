@@ -168,6 +168,7 @@ def _load(index: PrefixIndex, doc: dict[str, Any]) -> None:
     from kvstream.index.prefix import _Orphan
 
     tiers = [index._tier(name) for name in doc["tiers"]]
+    index._table_stale = True
     for name, n in doc["counts"].items():
         if name in index._counts:
             index._counts[name] = int(n)

@@ -258,7 +258,9 @@ class PrefixIndex:
     ``default_weight``) score matches. ``ttl`` drops a stream after that many
     seconds without a batch or :meth:`heartbeat` (``clock`` tells the time;
     monotonic by default). ``max_blocks`` bounds the (stream, block) entries:
-    past it the least recently stored are evicted, counted.
+    past it the least recently stored are evicted, counted. ``lookup_table``
+    keeps a numpy copy of the nodes for fast matches (about 32 to 64 bytes per
+    distinct block; False looks up in the dict, slower at a million blocks).
 
     Feed it with :meth:`apply` (batches and :class:`~kvstream.consumers.Gap`
     items, in stream order) and ask :meth:`match`. Not thread-safe: use it from
@@ -277,6 +279,7 @@ class PrefixIndex:
         ttl: float | None = None,
         max_blocks: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        lookup_table: bool = True,
     ) -> None:
         for name, value in (("keep_removed", keep_removed), ("max_orphans", max_orphans)):
             if type(value) is not int or value < 0:
@@ -312,8 +315,8 @@ class PrefixIndex:
         self._canon: dict[int, int] = {}
         #: a numpy copy of nodes for whole-prompt lookups (None: holders too wide for it),
         #: the own hashes changed since it was last synced, and whether to rebuild it
-        self._table: NodeTable | None = NodeTable()
-        self._dirty: set[int] = self._table.dirty
+        self._table: NodeTable | None = NodeTable() if lookup_table else None
+        self._dirty: set[int] = self._table.dirty if self._table is not None else set()
         self._table_stale = False
         #: the current batch's block values, and the last run of chained hashes computed
         self._batch_fin: Any = None

@@ -156,6 +156,7 @@ def load_index(index: PrefixIndex, data: bytes) -> None:
             ttl=index.ttl,
             max_blocks=index.max_blocks,
             clock=index._clock,
+            lookup_table=index._table is not None,
         )
         raise ConfigError(f"index state: malformed file ({type(exc).__name__}: {exc})") from None
 

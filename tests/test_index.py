@@ -421,6 +421,7 @@ def _run_workload(
         )
 
     index = PrefixIndex(block_size=block_size, seed=seed, keep_removed=10**9 if remember else 0)
+    index._table_min_blocks = 1 + seed % 2  # half the runs through the numpy table
     reference = Reference(block_size, remember=remember)
     fleet = [new_engine(i) for i in range(engines)]
     epochs = [f"e{i}-0" for i in range(engines)]

@@ -55,6 +55,7 @@ def _stored(hashes: list[int], tokens: list[int], parent: int | None = None, **k
     straggle=st.sampled_from([0.0, 0.3]),
     ttl=st.sampled_from([None, 3.0]),
     max_blocks=st.sampled_from([None, 40, 200]),
+    table=st.booleans(),
 )
 def test_fleet_equals_reference(
     seed: int,
@@ -63,6 +64,7 @@ def test_fleet_equals_reference(
     straggle: float,
     ttl: float | None,
     max_blocks: int | None,
+    table: bool,
 ) -> None:
     """Two engines each run two DP ranks under one origin name; restarts leave
     stragglers of the retired epoch; some ranks go silent (ttl) or only heartbeat."""
@@ -92,6 +94,8 @@ def test_fleet_equals_reference(
     index = PrefixIndex(
         block_size=B, seed=seed, keep_removed=0, ttl=ttl, max_blocks=max_blocks, clock=clock
     )
+    if table:
+        index._table_min_blocks = 1  # every match through the numpy table
     reference = Reference(B, remember=False, ttl=ttl, max_blocks=max_blocks, clock=clock)
     fleet = [new_engine(i) for i in range(len(streams))]
     epochs = [f"e{i}-0" for i in range(len(streams))]

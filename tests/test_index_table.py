@@ -35,7 +35,7 @@ def test_the_table_mirrors_a_dict(ops: list[tuple[int, int]], batch: int) -> Non
                 nodes.pop(key, None)  # a node no stream holds any more
             else:
                 nodes[key] = value
-            table.dirty.add(key)
+            table.dirty[key] = None
         assert table.sync(nodes)
         got = table.lookup(np.array(probes, dtype=np.uint64)).tolist()
         assert got == [nodes.get(k, 0) for k in probes]
@@ -46,12 +46,13 @@ def test_the_table_mirrors_a_dict(ops: list[tuple[int, int]], batch: int) -> Non
 
 def test_holders_wider_than_64_bits_fall_back_to_the_dict() -> None:
     index = PrefixIndex(block_size=4)
-    tokens = list(range(100, 108))
+    n = 130  # long enough a prompt for the table to be used
+    tokens = list(range(100, 100 + 4 * n))
     media = ["GPU", "CPU", "DISK", "EXTERNAL", "STORAGE"]
     for i in range(20):  # 20 streams (width 32) x 5 tiers: 160 bits of holders
         events = [
             BlockStored(
-                block_hashes=[1, 2],
+                block_hashes=list(range(1, n + 1)),
                 parent_block_hash=None,
                 token_ids=tokens if m == "GPU" else [],
                 block_size=4 if m == "GPU" else 0,
@@ -62,8 +63,9 @@ def test_holders_wider_than_64_bits_fall_back_to_the_dict() -> None:
         index.apply(EventBatch(seq=0, ts=0.0, events=events, origin=f"e{i:02d}", epoch="x"))
         matches = index.match(tokens)
         assert [m.origin for m in matches] == [f"e{j:02d}" for j in range(i + 1)]
-        assert all(m.blocks == 2 and m.tiers == dict.fromkeys(media, 2) for m in matches)
-    assert index._table is None  # it gave up on the table, not on the answer
+        assert all(m.blocks == n and m.tiers == dict.fromkeys(media, n) for m in matches)
+        assert (index._table is None) == (i >= 8)  # past 8 streams: width 16 x 5 tiers > 64
+    assert index.match(tokens[:8])[0].blocks == 2
 
 
 def test_a_large_index_answers_the_same_through_the_table() -> None:
@@ -71,7 +73,7 @@ def test_a_large_index_answers_the_same_through_the_table() -> None:
     index = PrefixIndex(block_size=4)
     prompts = []
     for s in range(300):
-        tokens = [rng.randrange(1000) for _ in range(40)]
+        tokens = [rng.randrange(1000) for _ in range(4 * 150)]  # 150 blocks: the table is used
         prompts.append(tokens)
         index.apply(
             EventBatch(
@@ -82,7 +84,7 @@ def test_a_large_index_answers_the_same_through_the_table() -> None:
                 data_parallel_rank=s % 2,
                 events=[
                     BlockStored(
-                        block_hashes=list(range(s * 100, s * 100 + 10)),
+                        block_hashes=list(range(s * 1000, s * 1000 + 150)),
                         parent_block_hash=None,
                         token_ids=tokens,
                         block_size=4,
@@ -95,3 +97,4 @@ def test_a_large_index_answers_the_same_through_the_table() -> None:
     plain.load(index.dump())
     assert [plain.match(p) for p in prompts] == with_table
     assert any(m for m in with_table)
+    assert index._table is not None

@@ -316,8 +316,10 @@ class PrefixIndex:
         #: a numpy copy of nodes for whole-prompt lookups (None: holders too wide for it),
         #: the own hashes changed since it was last synced, and whether to rebuild it
         self._table: NodeTable | None = NodeTable() if lookup_table else None
-        self._dirty: set[int] = self._table.dirty if self._table is not None else set()
+        self._dirty: dict[int, None] = self._table.dirty if self._table is not None else {}
         self._table_stale = False
+        #: prompts shorter than this look up in the dict (numpy's fixed costs are higher)
+        self._table_min_blocks = 128
         #: the current batch's block values, and the last run of chained hashes computed
         self._batch_fin: Any = None
         self._run_cache: tuple[int, int, list[int], int] | None = None
@@ -751,7 +753,7 @@ class PrefixIndex:
             owns = chained[offset : offset + m]
             self._run_cache = (first + m, owns[-1], chained, offset + m)
             blocks.update(zip(keys, owns, strict=True))
-            self._dirty.update(owns)
+            self._dirty.update(zip(owns, repeat(None)))
             olds = list(map(nodes.get, owns, repeat(0)))
             if not any(olds):  # blocks no stream holds yet
                 nodes.update(zip(owns, repeat(bit)))
@@ -806,7 +808,7 @@ class PrefixIndex:
             else:
                 v |= bit
                 nodes[own] = canon(v, v)
-                self._dirty.add(own)
+                self._dirty[own] = None
                 added += 1
             prev = own
             prev_key = key
@@ -842,7 +844,7 @@ class PrefixIndex:
                 state.held[t] -= 1
                 state.dups.pop(own | t << _TIER_SHIFT, None)
         v &= ~state.anymask
-        self._dirty.add(own)
+        self._dirty[own] = None
         if v:
             nodes[own] = self._canon.setdefault(v, v)
         else:
@@ -863,7 +865,7 @@ class PrefixIndex:
                     merged = list(map(operator.or_, olds, repeat(bit)))
                     canon = self._canon.setdefault
                     nodes.update(zip(owns, map(canon, merged, merged), strict=True))
-                    self._dirty.update(owns)
+                    self._dirty.update(zip(owns, repeat(None)))
                     state.held[t] += len(owns)
                     return
         for key in keys:
@@ -899,7 +901,7 @@ class PrefixIndex:
         else:
             v |= bit
             nodes[own] = self._canon.setdefault(v, v)
-            self._dirty.add(own)
+            self._dirty[own] = None
             state.held[t] += 1
 
     def _remove(self, state: _Stream, event: BlockRemoved) -> None:
@@ -970,7 +972,7 @@ class PrefixIndex:
                 return True
         v ^= bit
         state.held[t] -= 1
-        self._dirty.add(own)
+        self._dirty[own] = None
         if v:
             nodes[own] = self._canon.setdefault(v, v)
         else:
@@ -988,7 +990,7 @@ class PrefixIndex:
         for own in owns:
             v = nodes.get(own)
             if v is not None:
-                dirty.add(own)
+                dirty[own] = None
                 v &= keep
                 if v:
                     nodes[own] = self._canon.setdefault(v, v)
@@ -1296,7 +1298,9 @@ class PrefixIndex:
     def _holders(self, own: Any, n: int) -> tuple[list[tuple[int, int]], list[int]]:
         """Runs ``[start, end)`` of blocks with equal holders, and those holders, up to the
         prompt's end; nothing when no stream holds the first block."""
-        table = self._table
+        if not self._nodes.get(int(own[0])):  # the usual miss: nothing to look up
+            return [], []
+        table = self._table if n >= self._table_min_blocks else None
         if table is not None:
             try:
                 if self._table_stale:
@@ -1306,7 +1310,7 @@ class PrefixIndex:
                     raise OverflowError
             except OverflowError:  # holders wider than 64 bits: look up in the dict from now on
                 self._table = table = None
-                self._dirty = set()
+                self._dirty = {}
         if table is not None:
             import numpy as np
 

@@ -51,8 +51,9 @@ class NodeTable:
         self._rows: Any = np.zeros((_MIN_CAPACITY, 2), dtype=np.uint64)
         self._mask = _MIN_CAPACITY - 1
         self._used = 0
-        #: own hashes changed in the dict since the last sync
-        self.dirty: set[int] = set()
+        #: own hashes changed in the dict since the last sync (a dict of ints, None:
+        #: unlike a set, the garbage collector does not track it)
+        self.dirty: dict[int, None] = {}
 
     @property
     def nbytes(self) -> int:
@@ -66,7 +67,7 @@ class NodeTable:
 
         keys = list(self.dirty)
         values = list(map(nodes.get, keys, repeat(0)))
-        self.dirty.clear()  # in place: the index holds this set
+        self.dirty.clear()  # in place: the index holds this dict
         try:
             v = np.array(values, dtype=np.uint64)
         except OverflowError:

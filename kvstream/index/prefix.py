@@ -1432,6 +1432,8 @@ class PrefixIndex:
         total = size(self._nodes) + len(self._nodes) * (32 + value)
         if self._lru is not None:
             total += size(self._lru) + 100 * len(self._lru)
+        if self._table is not None:
+            total += self._table.nbytes + size(self._dirty)
         for s in self._streams.values():
             total += size(s.blocks) + 32 * len(s.blocks)  # engine hash keys
             total += size(s.spans) + 100 * len(s.spans)

@@ -298,3 +298,19 @@ def test_tokens_of_64_bits_hash_apart_from_their_low_32_bits() -> None:
     assert head(index.match(wide)) == [PrefixMatch("a", 1, "GPU")]
     assert index.match([1, 2, 3, 4]) == []
     assert index.hashes(wide) != index.hashes([1, 2, 3, 4])
+
+
+def test_a_long_prompt_that_misses_is_answered_from_its_first_block() -> None:
+    index = PrefixIndex(block_size=B)
+    long = list(range(1000, 1000 + 4 * 40))
+    index.apply(_batch(0, [_stored(list(range(1, 41)), long)]))
+    assert index.match(long)[0].blocks == 40
+    other = [7, *long[1:]]  # block 0 differs: nothing else matters
+    assert index.match(other) == []
+    data = b"".join(t.to_bytes(4, "little") for t in other)
+    assert index.match_bytes(data) == []
+    with pytest.raises(ConfigError, match="token_ids"):
+        index.match([*other[:-1], -1])  # still checked, though only block 0 is hashed
+    salted = vllm_extra_keys(len(long), B, cache_salt="s")
+    index.apply(_batch(1, [_stored(list(range(50, 90)), long, extra_keys=salted)]))
+    assert index.match(long, extra_keys=salted)[0].blocks == 40

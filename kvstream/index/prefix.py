@@ -1088,12 +1088,40 @@ class PrefixIndex:
         n: int,
         lora_name: str | None,
         extra_keys: Sequence[Sequence[Any] | None] | None,
+        *,
+        probe: bool = False,
     ) -> Any:
-        hasher = self._hasher
+        """The prompt's own hashes (a uint64 array); with ``probe``, None when no stream
+        holds its first block (checked before the rest is hashed: a miss stays cheap)."""
         if extra_keys is not None:
             extra_keys = [split_lora(lora_name, e) for e in extra_keys]
-        v = hasher.block_values(token_ids, n, lora_name, extra_keys)
-        return hasher.chain_array(hasher.root, v)
+        data, wide = tokens_array(token_ids)  # every token checked, the partial block too
+        return self._hash_data(data, n, lora_name, extra_keys, token_ids, wide, probe)
+
+    def _hash_data(
+        self,
+        data: Any,
+        n: int,
+        lora_name: str | None,
+        keys: Sequence[Sequence[Any] | None] | None,
+        token_ids: Sequence[int],
+        wide: bool,
+        probe: bool,
+    ) -> Any:
+        hasher = self._hasher
+        if probe and n > 16:
+            v0 = hasher.values(data, 1)
+            salt = hasher.salts(token_ids, 1, lora_name, keys, wide)
+            if salt is not None:
+                v0 ^= salt
+            first = int(hasher.chain_array(hasher.root, hasher.finish(v0))[0])
+            if not self._nodes.get(first):
+                return None
+        v = hasher.values(data, n)
+        salts = hasher.salts(token_ids, n, lora_name, keys, wide)
+        if salts is not None:
+            v ^= salts
+        return hasher.chain_array(hasher.root, hasher.finish(v))
 
     def match(
         self,
@@ -1116,8 +1144,8 @@ class PrefixIndex:
         n = len(token_ids) // self._hasher.block_size
         if not n:
             return []
-        own = self._own_hashes(token_ids, n, lora_name, extra_keys)  # validates the tokens
-        if not self._nodes:
+        own = self._own_hashes(token_ids, n, lora_name, extra_keys, probe=True)
+        if own is None or not self._nodes:
             return []
         return self._match_hashes(own, include_stale, tier_weights)
 
@@ -1139,13 +1167,10 @@ class PrefixIndex:
         n = len(data) // 4 // hasher.block_size
         if not n or not self._nodes:
             return []
-        v = hasher.values(data, n)
-        if lora_name is not None or extra_keys is not None:
-            keys = None if extra_keys is None else [split_lora(lora_name, e) for e in extra_keys]
-            salts = hasher.salts((), n, lora_name, keys, False)
-            if salts is not None:
-                v ^= salts
-        own = hasher.chain_array(hasher.root, hasher.finish(v))
+        keys = None if extra_keys is None else [split_lora(lora_name, e) for e in extra_keys]
+        own = self._hash_data(data, n, lora_name, keys, (), False, True)
+        if own is None:
+            return []
         return self._match_hashes(own, include_stale, tier_weights)
 
     def match_engine_hashes(

@@ -16,9 +16,14 @@ What is measured (block size 16, four origins, tokens below 32000):
   and 512 blocks) against indexes of N blocks: ``hit`` prompts are fully indexed
   (the worst case: every block is hashed and looked up), ``miss`` prompts share
   nothing. Baseline: hashing the prompt alone.
+* **match, bytes API**: ``PrefixIndex.match_bytes`` on the same prompts as
+  uint32 little-endian bytes; baseline: hashing those bytes alone.
+* **http**: ``POST /match`` round trips for 8k-token prompts (JSON and binary
+  bodies) over a kept-alive loopback connection, against the in-process call.
 * **memory**: bytes per block traced with ``tracemalloc`` while the index is
-  built (events are made before tracing starts), for one origin on one tier,
-  the same blocks on two tiers, and four origins holding the same blocks.
+  built (events are made before tracing starts) and its lookup table made by a
+  first match, for one origin on one tier, the same blocks on two tiers, and
+  four origins holding the same blocks.
 * **gc**: a full ``gc.collect()`` with the largest index alive (its state is
   dicts of integers, which the collector does not track).
 
@@ -38,6 +43,7 @@ import statistics
 import sys
 import time
 import tracemalloc
+from array import array
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -190,10 +196,18 @@ def bench_match(corpus: Corpus, queries: int, repeat: int) -> dict[str, Any]:
         miss = [_chain_tokens(rng, blocks) for _ in range(queries)]
         assert index.match(hit[0])[0].blocks == blocks
         assert index.match(miss[0]) == []
+        hit_bytes = [array("I", p).tobytes() for p in hit]
+        assert index.match_bytes(hit_bytes[0]) == index.match(hit[0])
+
+        def hash_bytes(data: bytes, n: int = blocks) -> list[int]:
+            return hasher.chain_values(hasher.root, hasher.finish(hasher.values(data, n)))
+
         for name, prompts, fn in (
             ("hit", hit, index.match),
             ("miss", miss, index.match),
             ("baseline_hash_only", hit, lambda t: hasher.chain(None, t)),
+            ("bytes_hit", hit_bytes, index.match_bytes),
+            ("baseline_bytes_hash_only", hit_bytes, hash_bytes),
         ):
             p50s, p99s = [], []
             for r in range(repeat + 1):
@@ -230,10 +244,13 @@ def bench_memory(blocks: int) -> dict[str, Any]:
     out: dict[str, Any] = {"blocks": n}
 
     def build(batches: list[EventBatch]) -> Callable[[], PrefixIndex]:
+        prompt = [t for e in batches[0].events for t in getattr(e, "token_ids", ())]
+
         def run() -> PrefixIndex:
             index = PrefixIndex(block_size=BLOCK)
             for batch in batches:
                 index.apply(batch)
+            assert index.match(prompt)  # a hit: builds the lookup table, part of the state
             return index
 
         return run
@@ -328,6 +345,83 @@ def bench_gc(blocks: int) -> dict[str, Any]:
     }
 
 
+def bench_http(corpus: Corpus, queries: int) -> dict[str, Any]:
+    """``POST /match`` for an 8k-token prompt over a kept-alive loopback connection,
+    JSON (orjson) and binary bodies, against the in-process call in the same run.
+
+    Wall-clock round trips measured by the client, which sends pre-encoded
+    requests and reads each response whole without parsing it: what is left
+    over the in-process call is the server's HTTP work plus two loopback hops.
+    """
+    import anyio
+    import orjson
+
+    from kvstream.index.http import QueryServer
+
+    index = PrefixIndex(block_size=BLOCK)
+    for batch in corpus.batches():
+        index.apply(batch)
+    rng = random.Random(2)
+    prompts = [rng.choice(corpus.chains)[:8192] for _ in range(queries)]
+
+    def request(body: bytes, binary: bool) -> bytes:
+        kind = "application/octet-stream" if binary else "application/json"
+        return (
+            f"POST /match HTTP/1.1\r\nHost: x\r\nContent-Type: {kind}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
+
+    json_requests = [request(orjson.dumps({"token_ids": p}), False) for p in prompts]
+    binary_requests = [request(array("I", p).tobytes(), True) for p in prompts]
+    out: dict[str, Any] = {"blocks_indexed": index.statistics().distinct_blocks}
+
+    def in_process() -> float:
+        lat = []
+        for p in prompts:
+            started = time.perf_counter()
+            index.match(p)
+            lat.append(time.perf_counter() - started)
+        return _percentile(lat, 0.5)
+
+    async def run() -> None:
+        async with QueryServer(index, port=0) as server:
+            stream = await anyio.connect_tcp("127.0.0.1", server.port)
+            async with stream:
+                buffer = bytearray()
+
+                async def round_trip(raw: bytes) -> None:
+                    await stream.send(raw)
+                    while True:
+                        end = buffer.find(b"\r\n\r\n")
+                        if end >= 0:
+                            head = bytes(buffer[:end]).lower()
+                            length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+                            if len(buffer) >= end + 4 + length:
+                                assert head.startswith(b"http/1.1 200"), head
+                                del buffer[: end + 4 + length]
+                                return
+                        buffer.extend(await stream.receive(1 << 20))
+
+                for name, reqs in (("json", json_requests), ("binary", binary_requests)):
+                    for raw in reqs[:20]:  # warm-up
+                        await round_trip(raw)
+                    p50s = []
+                    for _ in range(3):
+                        lat = []
+                        for raw in reqs:
+                            started = time.perf_counter()
+                            await round_trip(raw)
+                            lat.append(time.perf_counter() - started)
+                        p50s.append(_percentile(lat, 0.5))
+                    out[f"http_{name}_p50_us"] = 1e6 * _median(p50s)
+
+    anyio.run(run)
+    out["in_process_p50_us"] = 1e6 * _median([in_process() for _ in range(3)])
+    for name in ("json", "binary"):
+        out[f"http_{name}_added_us"] = out[f"http_{name}_p50_us"] - out["in_process_p50_us"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="10k and 100k blocks")
@@ -375,8 +469,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"hit p50 {r[f'{tokens}_tokens_hit_p50_us']:.0f} µs "
                 f"p99 {r[f'{tokens}_tokens_hit_p99_us']:.0f} µs; "
                 f"miss p50 {r[f'{tokens}_tokens_miss_p50_us']:.1f} µs; "
-                f"hash alone p50 {r[f'{tokens}_tokens_baseline_hash_only_p50_us']:.0f} µs"
+                f"hash alone p50 {r[f'{tokens}_tokens_baseline_hash_only_p50_us']:.0f} µs; "
+                f"bytes API hit p50 {r[f'{tokens}_tokens_bytes_hit_p50_us']:.0f} µs "
+                f"(hash alone {r[f'{tokens}_tokens_baseline_bytes_hash_only_p50_us']:.0f} µs)"
             )
+    results["http"] = r = bench_http(corpora[sizes[-1]], min(args.queries, 200))
+    say(
+        f"http /match, {r['blocks_indexed']:,} blocks, 8192 tokens (wall clock): in process "
+        f"p50 {r['in_process_p50_us']:.0f} µs; JSON body p50 {r['http_json_p50_us']:.0f} µs "
+        f"(+{r['http_json_added_us']:.0f}); binary body p50 {r['http_binary_p50_us']:.0f} µs "
+        f"(+{r['http_binary_added_us']:.0f})"
+    )
     for n in sizes:
         results[f"memory_{n}"] = r = bench_memory(n)
         say(

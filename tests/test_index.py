@@ -32,7 +32,7 @@ from kvstream.events import (
 )
 from kvstream.index.hashing import BlockHasher
 from kvstream.index.http import QueryServer
-from kvstream.index.prefix import TIER_PREFERENCE
+from kvstream.index.prefix import DEFAULT_TIER_WEIGHTS, TIER_PREFERENCE
 from kvstream.sim import Request, SimulatedEngine, Workload
 
 B = 4  # block size of the hand-built tests
@@ -49,10 +49,12 @@ def _freeze(value: Any) -> Any:
 
 
 class _RefOrigin:
-    def __init__(self) -> None:
+    def __init__(self, now: float = 0.0) -> None:
         self.epoch: str | None = None
+        self.retired: list[str] = []
         self.next_seq = 0
         self.stale = False
+        self.last_seen = now
         #: tier -> prefixes held, with multiplicity (the same block stored twice)
         self.held: dict[str, Counter[Prefix]] = {}
         #: engine hash -> the whole token prefix it stands for
@@ -64,23 +66,44 @@ class _RefOrigin:
         return [t for t, c in self.held.items() if c[prefix] > 0]
 
 
+RefKey = tuple[str, int | None]
+
+
 class Reference:
-    """The set of token prefixes each origin holds per tier, by brute force.
+    """The set of token prefixes each stream holds per tier, by brute force.
 
     Nothing hashed: a block is named by its whole token prefix. Mirrors the
-    index's documented rules (refcounts, orphans, placeholders, stale origins);
+    index's documented rules (streams per (origin, rank), refcounts, orphans,
+    placeholders, stale streams, retired epochs, ttl, the max_blocks LRU);
     ``remember=True`` models an index whose ``keep_removed`` exceeds every block
     of the run (an engine hash once seen stays resolvable until a clear).
     """
 
-    def __init__(self, block_size: int, *, remember: bool) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        *,
+        remember: bool,
+        ttl: float | None = None,
+        max_blocks: int | None = None,
+        clock: Any = None,
+    ) -> None:
         self.block_size = block_size
         self.remember = remember
-        self.origins: dict[str, _RefOrigin] = {}
+        self.ttl = ttl
+        self.max_blocks = max_blocks
+        self.clock = clock or (lambda: 0.0)
+        self.next_expiry = self.clock() + (ttl or 0.0)
+        self.origins: dict[RefKey, _RefOrigin] = {}
         self.tier_seen: list[str] = []
+        #: (stream, engine hash) held on some tier, least recently stored first
+        self.lru: dict[tuple[RefKey, Any], None] = {}
+        self.evicted = 0
 
-    def _origin(self, name: str) -> _RefOrigin:
-        return self.origins.setdefault(name, _RefOrigin())
+    def _origin(self, key: RefKey) -> _RefOrigin:
+        if key not in self.origins:
+            self.origins[key] = _RefOrigin(self.clock())
+        return self.origins[key]
 
     def _tier(self, medium: str | None) -> str:
         name = medium or "GPU"
@@ -88,26 +111,72 @@ class Reference:
             self.tier_seen.append(name)
         return name
 
-    def _clear(self, o: _RefOrigin) -> None:
+    def _clear(self, key: RefKey, o: _RefOrigin) -> None:
         o.held.clear()
         o.prefix_of.clear()
         o.orphans.clear()
         o.stale = False
+        for k in [k for k in self.lru if k[0] == key]:
+            del self.lru[k]
+
+    def _touch(self, key: RefKey, h: Any) -> None:
+        if self.max_blocks is not None:
+            self.lru.pop((key, h), None)
+            self.lru[(key, h)] = None
+
+    def _evict(self) -> None:
+        if self.max_blocks is None:
+            return
+        while len(self.lru) > self.max_blocks:
+            key, h = next(iter(self.lru))
+            del self.lru[(key, h)]
+            o = self.origins[key]
+            prefix = o.prefix_of.pop(h)
+            for counter in o.held.values():
+                counter[prefix] = 0
+            self.evicted += 1
+
+    def expire_due(self) -> None:
+        if self.ttl is None:
+            return
+        now = self.clock()
+        if now < self.next_expiry:
+            return
+        self.next_expiry = now + min(self.ttl, 1.0)
+        for key in [k for k, o in self.origins.items() if o.last_seen < now - self.ttl]:
+            self._clear(key, self.origins[key])
+            del self.origins[key]
+
+    def heartbeat(self, key: RefKey) -> None:
+        if key in self.origins:
+            self.origins[key].last_seen = self.clock()
 
     def apply(self, item: EventBatch | Gap) -> None:
+        self.expire_due()
         if isinstance(item, Gap):
-            o = self._origin(item.origin)
-            if o.epoch != item.epoch:
-                self._clear(o)
-                o.epoch = item.epoch
-                o.next_seq = item.next_seq
-            else:
-                o.next_seq = max(o.next_seq, item.next_seq)
-            o.stale = True
+            keys = [k for k in self.origins if k[0] == item.origin] or [(item.origin, None)]
+            for key in keys:
+                o = self._origin(key)
+                if o.epoch != item.epoch and item.epoch in o.retired:
+                    continue
+                if o.epoch != item.epoch:
+                    if o.epoch is not None:
+                        o.retired.append(o.epoch)
+                    self._clear(key, o)
+                    o.epoch = item.epoch
+                    o.next_seq = item.next_seq
+                else:
+                    o.next_seq = max(o.next_seq, item.next_seq)
+                o.stale = True
             return
-        o = self._origin(item.origin)
+        key = (item.origin, item.data_parallel_rank)
+        o = self._origin(key)
         if o.epoch != item.epoch:
-            self._clear(o)
+            if item.epoch in o.retired:
+                return
+            if o.epoch is not None:
+                o.retired.append(o.epoch)
+            self._clear(key, o)
             o.epoch = item.epoch
             o.stale = item.seq != 0
         elif item.seq < o.next_seq:
@@ -115,15 +184,17 @@ class Reference:
         elif item.seq > o.next_seq:
             o.stale = True
         o.next_seq = item.seq + 1
+        o.last_seen = self.clock()
         for event in item.events:
             if isinstance(event, BlockStored):
-                self._store(o, event)
+                self._store(key, o, event)
+                self._evict()
             elif isinstance(event, BlockRemoved):
-                self._remove(o, event)
+                self._remove(key, o, event)
             else:
-                self._clear(o)
+                self._clear(key, o)
 
-    def _store(self, o: _RefOrigin, event: BlockStored) -> None:
+    def _store(self, key: RefKey, o: _RefOrigin, event: BlockStored) -> None:
         if not event.block_hashes:
             return
         tier = self._tier(event.medium)
@@ -132,6 +203,7 @@ class Reference:
                 prefix = o.prefix_of.get(h)
                 if prefix is not None:
                     o.held.setdefault(tier, Counter())[prefix] += 1
+                    self._touch(key, h)
                 elif h in o.orphans:
                     o.orphans[h][2].append(tier)
             return
@@ -143,26 +215,37 @@ class Reference:
         prev_h = parent
         for i, h in enumerate(event.block_hashes):
             extra = _freeze(event.extra_keys[i]) if event.extra_keys is not None else None
+            if (
+                extra is not None
+                and event.lora_name is not None
+                and extra[:1] == (event.lora_name,)
+            ):
+                extra = extra[1:] or None
             block: Block = (
                 event.lora_name,
-                extra,
+                extra or None,
                 tuple(event.token_ids[i * size : (i + 1) * size]),
             )
             prefix = o.prefix_of.get(h)
+            fresh = False
             if prefix is None and prev is not None:
                 prefix = (*prev, block)
                 o.prefix_of[h] = prefix
-                self._resolve(o, h, prefix)
+                self._touch(key, h)
+                self._resolve(key, o, h, prefix)
+                fresh = True
             if prefix is None:
                 if h in o.orphans:
                     o.orphans[h][2].append(tier)
                 else:
                     o.orphans[h] = [prev_h, block, [tier]]
             else:
+                if not fresh:
+                    self._touch(key, h)
                 o.held.setdefault(tier, Counter())[prefix] += 1
             prev, prev_h = prefix, h
 
-    def _resolve(self, o: _RefOrigin, h: Any, prefix: Prefix) -> None:
+    def _resolve(self, key: RefKey, o: _RefOrigin, h: Any, prefix: Prefix) -> None:
         record = o.orphans.pop(h, None)
         if record is not None:
             for tier in record[2]:
@@ -172,11 +255,12 @@ class Reference:
                 del o.orphans[child]
                 child_prefix = (*prefix, block)
                 o.prefix_of[child] = child_prefix
+                self._touch(key, child)
                 for tier in tiers:
                     o.held.setdefault(tier, Counter())[child_prefix] += 1
-                self._resolve(o, child, child_prefix)
+                self._resolve(key, o, child, child_prefix)
 
-    def _remove(self, o: _RefOrigin, event: BlockRemoved) -> None:
+    def _remove(self, key: RefKey, o: _RefOrigin, event: BlockRemoved) -> None:
         if not event.block_hashes:
             return
         tier = self._tier(event.medium)
@@ -186,8 +270,10 @@ class Reference:
             if prefix is not None and o.holds(prefix):
                 if counter is not None and counter[prefix] > 0:
                     counter[prefix] -= 1
-                    if not o.holds(prefix) and not self.remember:
-                        del o.prefix_of[h]
+                    if not o.holds(prefix):
+                        self.lru.pop((key, h), None)
+                        if not self.remember:
+                            del o.prefix_of[h]
                 continue
             record = o.orphans.get(h)
             if record is not None and tier in record[2]:
@@ -195,7 +281,15 @@ class Reference:
                 if not record[2]:
                     del o.orphans[h]
 
-    def match(self, tokens: Sequence[int], lora_name: str | None = None) -> list[PrefixMatch]:
+    def match(
+        self,
+        tokens: Sequence[int],
+        lora_name: str | None = None,
+        weights: Any = None,
+        include_stale: bool = True,
+    ) -> list[PrefixMatch]:
+        self.expire_due()
+        weights = DEFAULT_TIER_WEIGHTS if weights is None else weights
         size = self.block_size
         n = len(tokens) // size
         prefixes: list[Prefix] = []
@@ -206,15 +300,35 @@ class Reference:
         order = [m for m in TIER_PREFERENCE if m in self.tier_seen]
         order += [m for m in self.tier_seen if m not in order]
         out = []
-        for name, o in self.origins.items():
+        for (name, rank), o in self.origins.items():
+            if o.stale and not include_stale:
+                continue
             k = 0
+            score = 0.0
             while k < n and o.holds(prefixes[k]):
+                score += max(weights.get(t, 0.5) for t in o.holds(prefixes[k]))
                 k += 1
             if k:
                 tiers = o.holds(prefixes[k - 1])
                 medium = min(tiers, key=order.index)
-                out.append(PrefixMatch(name, k, medium, o.stale))
-        out.sort(key=lambda m: (-m.blocks, m.stale, order.index(m.medium), m.origin))
+                per_tier = {}
+                for t in self.tier_seen:
+                    j = 0
+                    while j < n and o.held.get(t, Counter())[prefixes[j]] > 0:
+                        j += 1
+                    if j:
+                        per_tier[t] = j
+                out.append(PrefixMatch(name, k, medium, o.stale, rank, per_tier, round(score, 6)))
+        out.sort(
+            key=lambda m: (
+                -m.score,
+                -m.blocks,
+                m.stale,
+                order.index(m.medium),
+                m.origin,
+                -1 if m.data_parallel_rank is None else m.data_parallel_rank,
+            )
+        )
         return out
 
 
@@ -307,6 +421,7 @@ def _run_workload(
         )
 
     index = PrefixIndex(block_size=block_size, seed=seed, keep_removed=10**9 if remember else 0)
+    index._table_min_blocks = 1 + seed % 2  # half the runs through the numpy table
     reference = Reference(block_size, remember=remember)
     fleet = [new_engine(i) for i in range(engines)]
     epochs = [f"e{i}-0" for i in range(engines)]
@@ -407,7 +522,7 @@ def test_index_equals_reference_on_simulated_engines(
     )
     assert queries > 0
     stats = index.statistics()
-    for name, o in reference.origins.items():
+    for (name, _), o in reference.origins.items():
         by_medium = {t: sum(1 for c in held.values() if c > 0) for t, held in o.held.items()}
         assert stats.origins[name].by_medium == {t: n for t, n in by_medium.items() if n}
         assert stats.origins[name].stale == o.stale
@@ -444,6 +559,13 @@ def test_lossless_workload_matches_the_engines_own_state() -> None:
         assert held.get("EXTERNAL", 0) == len(engine.remote.tier)
 
 
+def head(matches: list[PrefixMatch]) -> list[PrefixMatch]:
+    """Matches without their per-tier lengths and scores (tested on their own)."""
+    return [
+        PrefixMatch(m.origin, m.blocks, m.medium, m.stale, m.data_parallel_rank) for m in matches
+    ]
+
+
 def test_the_reference_is_not_the_index() -> None:
     """The test can fail: a broken index (refcounts ignored) disagrees with the reference."""
     index = PrefixIndex(block_size=B)
@@ -453,8 +575,8 @@ def test_the_reference_is_not_the_index() -> None:
     index.apply(batch)
     reference.apply(batch)
     assert index.match(list(range(8))) == reference.match(list(range(8)))
-    assert reference.match(list(range(8))) == [PrefixMatch("a", 2, "GPU")]
-    reference.origins["a"].held["GPU"].clear()
+    assert head(reference.match(list(range(8)))) == [PrefixMatch("a", 2, "GPU")]
+    reference.origins[("a", None)].held["GPU"].clear()
     assert index.match(list(range(8))) != reference.match(list(range(8)))
 
 
@@ -503,14 +625,14 @@ def test_match_counts_leading_full_blocks_and_reports_the_tier() -> None:
     index = PrefixIndex(block_size=B)
     feed = Feed(index)
     feed(_stored([1, 2, 3], T[:12]))
-    assert index.match(T) == [PrefixMatch("a", 3, "GPU")]
-    assert index.match(T[:11]) == [PrefixMatch("a", 2, "GPU")]  # only full blocks
-    assert index.match(T[:3]) == []
-    assert index.match(T[4:]) == []  # not a leading block
-    assert index.match([]) == []
+    assert head(index.match(T)) == [PrefixMatch("a", 3, "GPU")]
+    assert head(index.match(T[:11])) == [PrefixMatch("a", 2, "GPU")]  # only full blocks
+    assert head(index.match(T[:3])) == []
+    assert head(index.match(T[4:])) == []  # not a leading block
+    assert head(index.match([])) == []
     # The first block held but the second evicted: one leading block.
     feed(BlockRemoved(block_hashes=[2], medium="GPU"))
-    assert index.match(T) == [PrefixMatch("a", 1, "GPU")]
+    assert head(index.match(T)) == [PrefixMatch("a", 1, "GPU")]
 
 
 def test_any_tier_counts_and_the_fastest_tier_is_reported() -> None:
@@ -519,10 +641,10 @@ def test_any_tier_counts_and_the_fastest_tier_is_reported() -> None:
     feed(_stored([1, 2], T[:8], medium="EXTERNAL"))
     feed(_stored([1], T[:4], medium="CPU"))
     feed(_stored([3], T[8:12], parent=2, medium="CPU"))
-    assert index.match(T) == [PrefixMatch("a", 3, "CPU")]
-    assert index.match(T[:8]) == [PrefixMatch("a", 2, "EXTERNAL")]
+    assert head(index.match(T)) == [PrefixMatch("a", 3, "CPU")]
+    assert head(index.match(T[:8])) == [PrefixMatch("a", 2, "EXTERNAL")]
     feed(_stored([1, 2], T[:8], medium="GPU"))
-    assert index.match(T[:8]) == [PrefixMatch("a", 2, "GPU")]
+    assert head(index.match(T[:8])) == [PrefixMatch("a", 2, "GPU")]
     assert index.statistics().origins["a"].by_medium == {"EXTERNAL": 2, "CPU": 2, "GPU": 2}
 
 
@@ -532,7 +654,7 @@ def test_results_are_best_first_across_origins() -> None:
     Feed(index, "long")(_stored([7, 8, 9], T[:12], medium="CPU"))
     Feed(index, "mid-cpu")(_stored([4, 5], T[:8], medium="CPU"))
     Feed(index, "mid-gpu")(_stored([4, 5], T[:8]))
-    assert index.match(T) == [
+    assert head(index.match(T)) == [
         PrefixMatch("long", 3, "CPU"),
         PrefixMatch("mid-gpu", 2, "GPU"),
         PrefixMatch("mid-cpu", 2, "CPU"),
@@ -546,9 +668,9 @@ def test_the_same_block_stored_twice_is_reference_counted() -> None:
     feed(_stored([1, 2], T[:8]))
     feed(_stored([1, 2], T[:8]))
     feed(BlockRemoved(block_hashes=[1, 2], medium="GPU"))
-    assert index.match(T) == [PrefixMatch("a", 2, "GPU")]
+    assert head(index.match(T)) == [PrefixMatch("a", 2, "GPU")]
     feed(BlockRemoved(block_hashes=[1, 2], medium="GPU"))
-    assert index.match(T) == []
+    assert head(index.match(T)) == []
     stats = index.statistics()
     assert stats.unknown_removals == 0
     assert stats.distinct_blocks == 0
@@ -560,7 +682,7 @@ def test_removals_of_unknown_blocks_are_counted_and_ignored() -> None:
     feed(_stored([1], T[:4]))
     feed(BlockRemoved(block_hashes=[99], medium="GPU"))
     feed(BlockRemoved(block_hashes=[1], medium="CPU"))  # known block, tier it is not on
-    assert index.match(T) == [PrefixMatch("a", 1, "GPU")]
+    assert head(index.match(T)) == [PrefixMatch("a", 1, "GPU")]
     assert index.statistics().unknown_removals == 2
 
 
@@ -570,7 +692,7 @@ def test_all_blocks_cleared_clears_every_tier_of_one_origin_only() -> None:
     a(_stored([1, 2], T[:8]), _stored([1, 2], T[:8], medium="CPU"))
     b(_stored([1], T[:4]))
     a(AllBlocksCleared())
-    assert index.match(T) == [PrefixMatch("b", 1, "GPU")]
+    assert head(index.match(T)) == [PrefixMatch("b", 1, "GPU")]
     assert index.statistics().origins["a"].blocks == 0
     # After the clear the origin's old hashes mean nothing: a removal is unknown.
     a(BlockRemoved(block_hashes=[1], medium="GPU"))
@@ -584,7 +706,7 @@ def test_a_new_epoch_drops_the_old_state() -> None:
     old(_stored([3], T[8:12], parent=2))
     new = Feed(index, "a", "second")
     new(_stored([5], T[:4]))
-    assert index.match(T) == [PrefixMatch("a", 1, "GPU")]
+    assert head(index.match(T)) == [PrefixMatch("a", 1, "GPU")]
     stats = index.statistics()
     assert stats.restarts == 1
     assert stats.origins["a"].epoch == "second"
@@ -595,14 +717,14 @@ def test_an_orphan_is_kept_and_matchable_once_its_chain_is_known() -> None:
     index = PrefixIndex(block_size=B)
     feed = Feed(index)
     feed(_stored([3, 4], T[8:16], parent=2))  # parent 2 never seen
-    assert index.match(T) == []
+    assert head(index.match(T)) == []
     assert index.statistics().origins["a"].orphans == 2
     assert index.statistics().orphans_stored == 2
     feed(_stored([1], T[:4]))
-    assert index.match(T) == [PrefixMatch("a", 1, "GPU")]  # 2 still missing
+    assert head(index.match(T)) == [PrefixMatch("a", 1, "GPU")]  # 2 still missing
     feed(_stored([2], T[4:8], parent=1, medium="CPU"))
-    assert index.match(T) == [PrefixMatch("a", 4, "GPU")]
-    assert index.match(T[:8]) == [PrefixMatch("a", 2, "CPU")]
+    assert head(index.match(T)) == [PrefixMatch("a", 4, "GPU")]
+    assert head(index.match(T[:8])) == [PrefixMatch("a", 2, "CPU")]
     assert index.statistics().origins["a"].orphans == 0
 
 
@@ -615,7 +737,7 @@ def test_an_orphan_can_be_removed_or_gain_tiers_before_its_chain_is_known() -> N
     feed(BlockRemoved(block_hashes=[2], medium="GPU"))  # orphan 2 gone entirely
     assert index.statistics().origins["a"].orphans == 1
     feed(_stored([1, 2], T[:8]))
-    assert index.match(T) == [PrefixMatch("a", 3, "CPU")]
+    assert head(index.match(T)) == [PrefixMatch("a", 3, "CPU")]
 
 
 def test_orphans_are_bounded_oldest_first() -> None:
@@ -628,7 +750,7 @@ def test_orphans_are_bounded_oldest_first() -> None:
     assert stats.origins["a"].orphans == 2
     assert stats.orphans_dropped == 1
     feed(_stored([1], T[:4]))
-    assert index.match(T) == [PrefixMatch("a", 1, "GPU")]  # orphan 2 was dropped
+    assert head(index.match(T)) == [PrefixMatch("a", 1, "GPU")]  # orphan 2 was dropped
 
 
 def test_placeholders_update_tiers_of_known_blocks() -> None:
@@ -637,7 +759,7 @@ def test_placeholders_update_tiers_of_known_blocks() -> None:
     feed(_stored([1, 2], T[:8]))
     feed(_stored([1, 2], [], medium="CPU"))
     feed(BlockRemoved(block_hashes=[1, 2], medium="GPU"))
-    assert index.match(T) == [PrefixMatch("a", 2, "CPU")]
+    assert head(index.match(T)) == [PrefixMatch("a", 2, "CPU")]
     feed(_stored([77], [], medium="CPU"))
     assert index.statistics().unknown_placeholders == 1
 
@@ -650,7 +772,7 @@ def test_placeholders_just_after_eviction_resolve_from_removed_memory() -> None:
         feed = Feed(index)
         feed(_stored([1, 2], T[:8]))
         feed(BlockRemoved(block_hashes=[2, 1], medium="GPU"), _stored([1, 2], [], medium="CPU"))
-        assert index.match(T) == expected
+        assert head(index.match(T)) == expected
 
 
 def test_removed_memory_is_bounded() -> None:
@@ -659,7 +781,7 @@ def test_removed_memory_is_bounded() -> None:
     feed(_stored([1, 2], T[:8]))
     feed(BlockRemoved(block_hashes=[2, 1], medium="GPU"))  # only 1 remembered
     feed(_stored([1, 2], [], medium="CPU"))
-    assert index.match(T) == [PrefixMatch("a", 1, "CPU")]
+    assert head(index.match(T)) == [PrefixMatch("a", 1, "CPU")]
     assert index.statistics().unknown_placeholders == 1
 
 
@@ -670,14 +792,14 @@ def test_a_gap_marks_the_origin_stale_until_a_snapshot() -> None:
     index.apply(Gap("a", "e", 1, 3))
     feed.seq = 3
     feed(_stored([2], T[4:8], parent=1))
-    assert index.match(T) == [PrefixMatch("a", 2, "GPU", stale=True)]
-    assert index.match(T, include_stale=False) == []
+    assert head(index.match(T)) == [PrefixMatch("a", 2, "GPU", stale=True)]
+    assert head(index.match(T, include_stale=False)) == []
     stats = index.statistics()
     assert stats.gaps == 1
     assert stats.origins["a"].stale_reason is not None
     # A snapshot (AllBlocksCleared, then the content) makes it exact again.
     feed(AllBlocksCleared(), _stored([1, 2], T[:8]))
-    assert index.match(T) == [PrefixMatch("a", 2, "GPU")]
+    assert head(index.match(T)) == [PrefixMatch("a", 2, "GPU")]
 
 
 def test_a_seq_jump_marks_stale_and_a_new_epoch_clears_it() -> None:
@@ -689,7 +811,7 @@ def test_a_seq_jump_marks_stale_and_a_new_epoch_clears_it() -> None:
     assert index.statistics().origins["a"].stale
     assert index.statistics().gaps == 1
     Feed(index, "a", "restarted")(_stored([1], T[:4]))
-    assert index.match(T) == [PrefixMatch("a", 1, "GPU")]
+    assert head(index.match(T)) == [PrefixMatch("a", 1, "GPU")]
 
 
 def test_joining_late_marks_stale_and_duplicates_are_skipped() -> None:
@@ -697,7 +819,7 @@ def test_joining_late_marks_stale_and_duplicates_are_skipped() -> None:
     batch = _batch(4, [_stored([1], T[:4])])
     index.apply(batch)
     index.apply(batch)
-    assert index.match(T) == [PrefixMatch("a", 1, "GPU", stale=True)]
+    assert head(index.match(T)) == [PrefixMatch("a", 1, "GPU", stale=True)]
     stats = index.statistics()
     assert stats.duplicate_batches == 1
     assert stats.batches == 1
@@ -708,7 +830,7 @@ def test_mark_stale_and_origin_override() -> None:
     index.apply(_batch(0, [_stored([1], T[:4])], origin="ignored"), origin="engine-7")
     assert index.origins() == ["engine-7"]
     index.mark_stale("engine-7", "subscriber reconnected")
-    assert index.match(T) == [PrefixMatch("engine-7", 1, "GPU", stale=True)]
+    assert head(index.match(T)) == [PrefixMatch("engine-7", 1, "GPU", stale=True)]
     assert index.statistics().origins["engine-7"].stale_reason == "subscriber reconnected"
 
 
@@ -717,20 +839,47 @@ def test_lora_and_extra_keys_are_part_of_a_block() -> None:
     feed = Feed(index)
     feed(_stored([1, 2], T[:8], lora_name="sql"))
     feed(_stored([3], T[:4], extra_keys=[["img-hash", 7]]))
-    assert index.match(T) == []
-    assert index.match(T, lora_name="sql") == [PrefixMatch("a", 2, "GPU")]
-    assert index.match(T, lora_name="other") == []
-    assert index.match(T, extra_keys=[["img-hash", 7]]) == [PrefixMatch("a", 1, "GPU")]
-    assert index.match(T, extra_keys=[("img-hash", 7)]) == [PrefixMatch("a", 1, "GPU")]
-    assert index.match(T, extra_keys=[["img-hash", 8]]) == []
+    assert head(index.match(T)) == []
+    assert head(index.match(T, lora_name="sql")) == [PrefixMatch("a", 2, "GPU")]
+    assert head(index.match(T, lora_name="other")) == []
+    assert head(index.match(T, extra_keys=[["img-hash", 7]])) == [PrefixMatch("a", 1, "GPU")]
+    assert head(index.match(T, extra_keys=[("img-hash", 7)])) == [PrefixMatch("a", 1, "GPU")]
+    assert head(index.match(T, extra_keys=[["img-hash", 8]])) == []
 
 
-def test_events_with_another_block_size_are_counted_and_ignored() -> None:
+def test_events_with_a_block_size_not_a_multiple_are_counted_and_ignored() -> None:
     index = PrefixIndex(block_size=B)
     feed = Feed(index)
-    feed(BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=T[:8], block_size=8))
-    assert index.match(T) == []
+    feed(BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=T[:6], block_size=6))
+    assert head(index.match(T)) == []
     assert index.statistics().wrong_block_size == 1
+
+
+def test_engine_blocks_of_a_multiple_size_are_split_into_index_blocks() -> None:
+    """An engine block of 2 * B tokens is two index blocks, matchable like any others."""
+    small = PrefixIndex(block_size=B)
+    big = PrefixIndex(block_size=B)
+    Feed(small)(_stored([1, 2, 3], T[:12]))
+    feed = Feed(big)
+    feed(BlockStored(block_hashes=[10], parent_block_hash=None, token_ids=T[:8], block_size=8))
+    feed(BlockStored(block_hashes=[11], parent_block_hash=10, token_ids=T[8:16], block_size=8))
+    assert big.hashes(T[:16]) == small.hashes(T[:16])
+    assert head(big.match(T)) == [PrefixMatch("a", 4, "GPU")]
+    assert head(big.match(T[:6])) == [PrefixMatch("a", 1, "GPU")]
+    stats = big.statistics()
+    assert stats.remapped_blocks == 2
+    assert stats.wrong_block_size == 0
+    assert stats.origins["a"].by_medium == {"GPU": 4}
+    assert stats.origins["a"].block_size == 8
+    feed(_stored([11], [], medium="CPU"))  # a placeholder covers both halves
+    assert big.match(T)[0].tiers == {"GPU": 4}
+    assert big.statistics().origins["a"].by_medium == {"GPU": 4, "CPU": 2}
+    feed(BlockRemoved(block_hashes=[11], medium="GPU"))
+    assert big.match(T)[0].tiers == {"GPU": 2}
+    assert big.statistics().origins["a"].by_medium == {"GPU": 2, "CPU": 2}
+    feed(BlockRemoved(block_hashes=[11], medium="CPU"), BlockRemoved(block_hashes=[10]))
+    assert big.match(T) == []
+    assert big.statistics().distinct_blocks == 0
 
 
 def test_hashes_as_bytes_and_signed_integers() -> None:
@@ -740,15 +889,15 @@ def test_hashes_as_bytes_and_signed_integers() -> None:
     feed = Feed(index, "bytes")
     feed.seq = 1
     feed(BlockRemoved(block_hashes=[b"\x02" * 32], medium="GPU"))
-    assert index.match(T) == [PrefixMatch("signed", 2, "GPU"), PrefixMatch("bytes", 1, "GPU")]
+    assert head(index.match(T)) == [PrefixMatch("signed", 2, "GPU"), PrefixMatch("bytes", 1, "GPU")]
 
 
 def test_tokens_beyond_32_bits_hash_distinctly() -> None:
     wide = [2**40 + 1, 2, 3, 4]
     index = PrefixIndex(block_size=B)
     Feed(index)(_stored([1, 2], [*wide, *T[:4]]))
-    assert index.match([*wide, *T[:4]]) == [PrefixMatch("a", 2, "GPU")]
-    assert index.match([1, 2, 3, 4, *T[:4]]) == []
+    assert head(index.match([*wide, *T[:4]])) == [PrefixMatch("a", 2, "GPU")]
+    assert head(index.match([1, 2, 3, 4, *T[:4]])) == []
 
 
 def test_own_hashes_are_the_documented_chain_and_depend_on_the_seed() -> None:
@@ -779,12 +928,12 @@ def test_many_origins_and_forget() -> None:
     matches = index.match(T)
     assert len(matches) == 40
     assert {m.origin for m in matches if m.blocks == 1} == {f"o{i:02}" for i in range(0, 40, 3)}
-    assert matches[0] == PrefixMatch("o01", 2, "GPU") or matches[0].medium == "GPU"
+    assert head(matches)[0] == PrefixMatch("o01", 2, "GPU") or matches[0].medium == "GPU"
     assert index.forget("o05")
     assert not index.forget("o05")
     assert "o05" not in {m.origin for m in index.match(T)}
     Feed(index, "new")(_stored([9], T[:4]))  # takes the freed slot
-    assert PrefixMatch("new", 1, "GPU") in index.match(T)
+    assert PrefixMatch("new", 1, "GPU") in head(index.match(T))
     assert len(index.match(T)) == 40
 
 
@@ -854,7 +1003,17 @@ async def test_http_endpoint_over_a_real_socket(no_leaked_tasks: None) -> None:
         assert body == {
             "block_size": B,
             "blocks": 6,
-            "matches": [{"origin": "engine-0", "blocks": 2, "medium": "GPU", "stale": False}],
+            "matches": [
+                {
+                    "origin": "engine-0",
+                    "data_parallel_rank": None,
+                    "blocks": 2,
+                    "medium": "GPU",
+                    "stale": False,
+                    "tiers": {"GPU": 2},
+                    "score": 2.0,
+                }
+            ],
         }
         status, _, body = await _http(
             port, _post(orjson.dumps({"token_ids": T, "lora_name": "x", "include_stale": False}))
@@ -954,7 +1113,15 @@ def test_cli_index_follows_a_file_and_answers_queries() -> None:
                     await anyio.sleep(0.05)
 
         assert anyio.run(query) == [
-            {"origin": "engine-0", "blocks": 3, "medium": "GPU", "stale": False}
+            {
+                "origin": "engine-0",
+                "data_parallel_rank": None,
+                "blocks": 3,
+                "medium": "GPU",
+                "stale": False,
+                "tiers": {"GPU": 3},
+                "score": 3.0,
+            }
         ]
         # The file grows: the index follows it.
         with open(path, "ab") as f:
@@ -986,6 +1153,7 @@ def test_cli_index_demo_routes_better_than_random(capsys: pytest.CaptureFixture[
     assert main(["index", "--demo", "--engines", "3", "--requests", "300"]) == 0
     out = capsys.readouterr().out
     assert "index routing" in out
+    assert "index-gpu routing" in out
     assert "random routing" in out
     rates = {
         line.split(":")[0].strip(): float(line.split("hit rate")[1].split("%")[0])
@@ -993,6 +1161,23 @@ def test_cli_index_demo_routes_better_than_random(capsys: pytest.CaptureFixture[
         if "hit rate" in line
     }
     assert rates["index routing"] > rates["random routing"]
+    assert "late batches of retired epochs dropped" in out
+
+
+def test_demo_tier_weights_reuse_more_than_gpu_only_when_gpus_are_small() -> None:
+    from kvstream.index.demo import compare_routing
+
+    weighted, gpu_only, randomly = compare_routing(
+        engines=3, requests=600, gpu_blocks=128, ranks=2, seed=0
+    )
+    assert (weighted.policy, gpu_only.policy, randomly.policy) == ("index", "index-gpu", "random")
+    assert weighted.reusable_rate > gpu_only.reusable_rate > randomly.reusable_rate
+    assert weighted.misrouted > 0  # the lost engine was still indexed until its ttl ran out
+    stats = weighted.index
+    assert stats is not None
+    assert stats.expired == 2  # both ranks of the lost engine
+    assert stats.retired_epoch_batches > 0
+    assert {o.data_parallel_rank for o in stats.origins.values()} == {0, 1}
 
 
 def test_cli_index_needs_a_url_or_demo(capsys: pytest.CaptureFixture[str]) -> None:

@@ -58,26 +58,56 @@ def _rows(data: dict[str, Any]) -> list[Row]:
         elif key.startswith("match_"):
             indexed = int(key.split("_", 1)[1])
             for tokens in (1024, 8192):
-                for kind in ("hit", "miss"):
+                for kind, label, base_key in (
+                    ("hit", "hit", "baseline_hash_only"),
+                    ("miss", "miss", None),
+                    ("bytes_hit", "hit, bytes API", "baseline_bytes_hash_only"),
+                ):
                     p50 = value.get(f"{tokens}_tokens_{kind}_p50_us")
                     p99 = value.get(f"{tokens}_tokens_{kind}_p99_us")
                     if p50 is None:
                         continue
-                    base = value.get(f"{tokens}_tokens_baseline_hash_only_p50_us")
+                    base = value.get(f"{tokens}_tokens_{base_key}_p50_us") if base_key else None
                     rows.append(
                         Row(
                             "index",
-                            f"match {tokens}-token prompt ({kind})",
+                            f"match {tokens}-token prompt ({label})",
                             f"{indexed:,} blocks",
-                            baseline="hash only" if base and kind == "hit" else "",
-                            ratio=p50 / base if base and kind == "hit" else None,
+                            baseline="hash only" if base else "",
+                            ratio=p50 / base if base else None,
                             p50_us=p50,
                             p99_us=p99,
                         )
                     )
+        elif key == "http" and "in_process_p50_us" in value:
+            for kind in ("json", "binary"):
+                p50 = value.get(f"http_{kind}_p50_us")
+                if p50 is None:
+                    continue
+                rows.append(
+                    Row(
+                        "index",
+                        f"HTTP /match, 8192 tokens, {kind} body",
+                        f"{value.get('blocks_indexed', 0):,} blocks",
+                        baseline="in process",
+                        ratio=p50 / value["in_process_p50_us"],
+                        p50_us=p50,
+                        note=f"+{value[f'http_{kind}_added_us']:.0f} µs over in process",
+                    )
+                )
         elif key.startswith("memory_"):
             n = int(key.split("_", 1)[1])
             per = value.get("bytes_per_block_one_origin_one_tier")
+            shared = value.get("bytes_per_block_per_origin_4_origins")
+            if shared is not None:
+                rows.append(
+                    Row(
+                        "index",
+                        "bytes per (origin, block), four origins holding the same blocks",
+                        f"{n:,} blocks",
+                        note=f"{shared:.0f} bytes",
+                    )
+                )
             if per is not None:
                 rows.append(
                     Row(

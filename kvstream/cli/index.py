@@ -6,15 +6,24 @@ followed as it grows; ZMQ, NATS, Redis, ...), keeps a
 ``GET /stats`` on 127.0.0.1. It runs until Ctrl-C or SIGTERM, and keeps
 answering from what it has if the stream ends.
 
-``kvstream index --demo`` routes simulated requests over simulated engines with
-the index and at random, and prints both hit rates.
+With ``--state FILE`` the index is loaded from FILE at start (when it exists),
+saved every ``--save-interval`` seconds and on shutdown (written to a temporary
+file, then renamed over FILE), so a restarted router is warm.
+
+``kvstream index --demo`` routes simulated requests over a simulated fleet (DP
+ranks, restarts, an engine lost) with the tier-weighted index, the index on GPU
+alone, and at random, and prints the hit rates.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import signal
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -38,6 +47,9 @@ examples:
   kvstream index zmq+tcp://127.0.0.1:5557 --port 0
   curl -s localhost:5690/match -d '{"token_ids": [1, 2, 3, 4]}'
   curl -s localhost:5690/stats
+  kvstream index kv.jsonl --state index.state     warm after a restart
+  curl -s localhost:5690/match -H 'Content-Type: application/octet-stream' \
+       --data-binary @tokens.u32                    tokens as uint32 little-endian
   kvstream index --demo --engines 4 --requests 2000
 """
 
@@ -73,10 +85,45 @@ def register(sub: Any) -> None:
         "--token-file", metavar="PATH", default=None, help="file holding that bearer token"
     )
     p.add_argument("--seed", type=int, default=0, help="the index's hash seed; the demo's too (0)")
+    p.add_argument(
+        "--state",
+        metavar="FILE",
+        default=None,
+        help="load the index from FILE at start; save it there periodically and on shutdown",
+    )
+    p.add_argument(
+        "--save-interval",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="with --state: seconds between saves (60)",
+    )
+    p.add_argument(
+        "--ttl",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="drop a stream after this long without a batch (default: never)",
+    )
+    p.add_argument(
+        "--max-blocks",
+        type=int,
+        default=None,
+        help="bound the (stream, block) entries; the least recently stored go first",
+    )
+    p.add_argument(
+        "--tier-weight",
+        action="append",
+        default=[],
+        metavar="MEDIUM=W",
+        help="weight of a block on MEDIUM in match scores (repeatable; "
+        "defaults GPU=1, CPU=0.8, DISK=0.5, EXTERNAL=0.3)",
+    )
     p.add_argument("--demo", action="store_true", help="compare index and random routing")
     p.add_argument("--engines", type=int, default=4, help="demo: simulated engines (4)")
     p.add_argument("--requests", type=int, default=2000, help="demo: requests routed (2000)")
     p.add_argument("--gpu-blocks", type=int, default=1024, help="demo: GPU blocks per engine")
+    p.add_argument("--ranks", type=int, default=2, help="demo: data-parallel ranks per engine (2)")
     add_metrics_option(p)
     p.set_defaults(func=run)
 
@@ -93,7 +140,28 @@ async def run(args: argparse.Namespace) -> int:
         )
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port: expected 0-65535, got {args.port}")
-    index = PrefixIndex(block_size=args.block_size, seed=args.seed)
+    if args.save_interval <= 0:
+        raise ConfigError(f"--save-interval: expected seconds > 0, got {args.save_interval}")
+    index = PrefixIndex(
+        block_size=args.block_size,
+        seed=args.seed,
+        ttl=args.ttl,
+        max_blocks=args.max_blocks,
+        tier_weights=_weights(args.tier_weight),
+    )
+    state_path = Path(args.state) if args.state else None
+    if state_path is not None and state_path.exists():
+        try:
+            data = state_path.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"--state: cannot read {state_path}: {exc}") from exc
+        index.load(data)
+        stats = index.statistics()
+        print(
+            f"kvstream index: loaded {state_path}: {stats.distinct_blocks:,} blocks over "
+            f"{len(stats.origins)} stream(s)",
+            file=sys.stderr,
+        )
     kwargs: dict[str, Any] = {"follow": True} if parse_url(args.url).scheme == "file" else {}
     subscriber = open_subscriber(args.url, **kwargs)
     stopped_by: str | None = None
@@ -143,8 +211,27 @@ async def run(args: argparse.Namespace) -> int:
                         await aclose()
             print("kvstream index: the stream ended; still serving", file=sys.stderr)
 
+        async def save_periodically() -> None:
+            assert state_path is not None
+            while True:
+                await anyio.sleep(args.save_interval)
+                data = index.dump()  # between two batches: consistent per stream
+                try:
+                    await anyio.to_thread.run_sync(_write_state, state_path, data)
+                except ConfigError as exc:  # a full disk must not stop the index
+                    print(f"kvstream index: {exc}; will retry", file=sys.stderr)
+
         tg.start_soon(watch_signals)
         tg.start_soon(follow)
+        if state_path is not None:
+            tg.start_soon(save_periodically)
+    if state_path is not None:
+        started = time.perf_counter()
+        _write_state(state_path, index.dump())
+        print(
+            f"kvstream index: saved {state_path} ({time.perf_counter() - started:.2f} s)",
+            file=sys.stderr,
+        )
     stats = index.statistics()
     if stopped_by:
         print(f"kvstream index: stopped by {stopped_by}", file=sys.stderr)
@@ -156,38 +243,81 @@ async def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _weights(pairs: list[str]) -> dict[str, float] | None:
+    if not pairs:
+        return None
+    from kvstream.index.prefix import DEFAULT_TIER_WEIGHTS
+
+    out = dict(DEFAULT_TIER_WEIGHTS)
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = -1.0
+        if not sep or not name or not 0 <= weight < float("inf"):
+            raise ConfigError(f"--tier-weight: expected MEDIUM=WEIGHT (WEIGHT >= 0), got {pair!r}")
+        out[name] = weight
+    return out
+
+
+def _write_state(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all (a temporary file, then a rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise ConfigError(f"--state: cannot write {path}: {exc}") from exc
+
+
 def _describe(result: RoutingResult) -> str:
     return (
-        f"  {result.policy + ' routing':<15}: hit rate {100 * result.hit_rate:5.1f}% "
-        f"({result.blocks_hit:,} of {result.blocks_requested:,} prompt blocks cached "
-        f"on the chosen engine; requests per engine {result.load})"
+        f"  {result.policy + ' routing':<19}: hit rate {100 * result.hit_rate:5.1f}% on GPU, "
+        f"{100 * result.reusable_rate:5.1f}% reusable on any tier "
+        f"({result.blocks_hit:,} / {result.blocks_reusable:,} of {result.blocks_requested:,} "
+        f"prompt blocks); misrouted to the lost engine {result.misrouted}"
     )
 
 
 def _demo(args: argparse.Namespace) -> int:
-    indexed, randomly = compare_routing(
-        engines=args.engines,
-        requests=args.requests,
-        seed=args.seed,
-        block_size=args.block_size,
-        gpu_blocks=args.gpu_blocks,
-    )
+    quiet = logging.getLogger("kvstream.index")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # expiries are expected here: the summary counts them
+    try:
+        results = compare_routing(
+            engines=args.engines,
+            requests=args.requests,
+            seed=args.seed,
+            block_size=args.block_size,
+            gpu_blocks=args.gpu_blocks,
+            ranks=args.ranks,
+        )
+    finally:
+        quiet.setLevel(level)
     print(
-        f"kvstream index demo: {args.engines} simulated engines, {args.requests:,} requests "
-        f"(seed {args.seed}, block size {args.block_size}, {args.gpu_blocks} GPU blocks each)"
+        f"kvstream index demo: {args.engines} simulated engines x {args.ranks} DP ranks, "
+        f"{args.requests:,} requests (seed {args.seed}, block size {args.block_size}, "
+        f"{args.gpu_blocks} GPU blocks each); a rank restarts every {max(args.requests // 5, 1)} "
+        "requests (late batches of its old epoch follow), engine-0 is lost at mid-run"
     )
-    print(_describe(indexed))
-    print(_describe(randomly))
-    stats = indexed.index
+    for result in results:
+        print(_describe(result))
+    stats = results[0].index
     if stats is not None:
         tiers: dict[str, int] = {}
         for origin in stats.origins.values():
             for medium, n in origin.by_medium.items():
                 tiers[medium] = tiers.get(medium, 0) + n
         per_tier = ", ".join(f"{m} {n:,}" for m, n in tiers.items())
-        mean = 1e6 * indexed.match_seconds / indexed.matches if indexed.matches else 0.0
+        mean = 1e6 * results[0].match_seconds / results[0].matches if results[0].matches else 0.0
         print(
-            f"  index: {stats.distinct_blocks:,} distinct blocks ({per_tier}), "
-            f"about {stats.memory_bytes / 2**20:.1f} MiB; mean match {mean:.0f} µs"
+            f"  index: {len(stats.origins)} live streams, {stats.distinct_blocks:,} distinct "
+            f"blocks ({per_tier}), about {stats.memory_bytes / 2**20:.1f} MiB; "
+            f"{stats.restarts} restarts, {stats.retired_epoch_batches} late batches of retired "
+            f"epochs dropped, {stats.expired} streams expired (ttl); mean match {mean:.0f} µs"
         )
     return 0

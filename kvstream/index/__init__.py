@@ -1,17 +1,28 @@
 """The router side: a prefix index fed by the event stream.
 
-:class:`PrefixIndex` keeps, per origin and tier, which block chains are held
-and answers how long a prefix of a prompt each origin has cached
-(:meth:`PrefixIndex.match`). ``kvstream index URL`` serves it over HTTP.
+:class:`PrefixIndex` keeps, per stream ``(origin, data_parallel_rank)`` and tier,
+which block chains are held and answers how long a prefix of a prompt each
+stream has cached, per tier and scored by tier weights (:meth:`PrefixIndex.match`).
+:func:`vllm_extra_keys` builds the per-block keys vLLM hashes with.
+``kvstream index URL`` serves it over HTTP.
 """
 
 from kvstream.index.hashing import BlockHasher
-from kvstream.index.prefix import IndexStatistics, OriginStatistics, PrefixIndex, PrefixMatch
+from kvstream.index.keys import vllm_extra_keys
+from kvstream.index.prefix import (
+    DEFAULT_TIER_WEIGHTS,
+    IndexStatistics,
+    OriginStatistics,
+    PrefixIndex,
+    PrefixMatch,
+)
 
 __all__ = [
+    "DEFAULT_TIER_WEIGHTS",
     "BlockHasher",
     "IndexStatistics",
     "OriginStatistics",
     "PrefixIndex",
     "PrefixMatch",
+    "vllm_extra_keys",
 ]

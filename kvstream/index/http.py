@@ -1,34 +1,39 @@
 """A tiny HTTP/1.1 query endpoint for a :class:`~kvstream.index.PrefixIndex`.
 
-Two routes, JSON in and out::
+Two routes, JSON out::
 
     POST /match   {"token_ids": [1, 2, ...], "lora_name": null}
                   -> {"block_size": 16, "blocks": 12,
-                      "matches": [{"origin": "engine-0", "blocks": 9, "medium": "GPU",
-                                   "stale": false}, ...]}
+                      "matches": [{"origin": "engine-0", "data_parallel_rank": null,
+                                   "blocks": 9, "medium": "GPU", "stale": false,
+                                   "tiers": {"GPU": 9}, "score": 9.0}, ...]}
     GET  /stats   -> the index's statistics()
 
-``/match`` also takes ``"extra_keys"`` (one entry per block) and
-``"include_stale"`` (default true). Requests are bounded (head 16 KiB, body
-``max_request_bytes``); a malformed one gets a 4xx with ``{"error": "..."}``
-naming what was wrong. Connections are kept alive (HTTP/1.1) until the client
-closes, says ``Connection: close``, or is idle for ``idle_timeout`` seconds.
-Written directly on anyio: no web framework.
+``/match`` also takes ``"extra_keys"`` (one entry per block), ``"include_stale"``
+(default true) and ``"tier_weights"``; or ``"block_hashes"`` (an engine's hashes,
+with an optional ``"origin"`` and ``"data_parallel_rank"``) instead of
+``"token_ids"``. With ``Content-Type: application/octet-stream`` the body is the
+tokens as uint32 little-endian and options go in the query string
+(``/match?lora_name=L&include_stale=false``): the fast path. Requests are
+bounded (head 16 KiB, body ``max_request_bytes``); a malformed one gets a 4xx
+with ``{"error": "..."}`` naming what was wrong. Connections are kept alive
+(HTTP/1.1) until the client closes, says ``Connection: close``, or is idle for
+``idle_timeout`` seconds. Written directly on anyio: no web framework.
 """
 
 from __future__ import annotations
 
 import logging
-from array import array
 from types import TracebackType
 from typing import Any, Final, Self
+from urllib.parse import unquote
 
 import anyio
 import orjson
 from anyio.abc import Listener, SocketAttribute, SocketStream, TaskGroup
 
 from kvstream.errors import ClosedError, ConfigError, TransportError
-from kvstream.index.prefix import PrefixIndex
+from kvstream.index.prefix import PrefixIndex, PrefixMatch
 from kvstream.wire.socket_security import bearer_authorized, check_listen_address
 
 __all__ = ["QueryServer"]
@@ -66,9 +71,12 @@ class _HttpError(Exception):
 
 
 class _Request:
-    __slots__ = ("body", "close", "method", "target")
+    __slots__ = ("body", "close", "content_type", "method", "target")
 
-    def __init__(self, method: str, target: str, body: bytes, close: bool) -> None:
+    def __init__(
+        self, method: str, target: str, body: bytes, close: bool, content_type: str = ""
+    ) -> None:
+        self.content_type = content_type
         self.method = method
         self.target = target
         self.body = body
@@ -280,7 +288,8 @@ class QueryServer:
         del buffer[:length]
         if not bearer_authorized(headers.get("authorization"), self._token):
             raise _HttpError(401, "missing or wrong bearer token", close=True)
-        return _Request(method, target, body, close)
+        content_type = headers.get("content-type", "").partition(";")[0].strip().lower()
+        return _Request(method, target, body, close, content_type)
 
     async def _send(
         self,
@@ -314,7 +323,9 @@ class QueryServer:
             raise _HttpError(405, f"{path} takes {method}, got {request.method}", allow=method)
         if path == "/stats":
             return 200, self._stats()
-        return 200, self._match(request.body)
+        return 200, self._match(
+            request.body, request.content_type, request.target.partition("?")[2]
+        )
 
     def _stats(self) -> Any:
         stats = self.index.statistics()
@@ -323,29 +334,46 @@ class QueryServer:
         out["http"] = {"requests": self.requests, "errors": self.errors}
         return out
 
-    def _match(self, body: bytes) -> Any:
+    def _match(self, body: bytes, content_type: str, query_string: str) -> Any:
+        if content_type == "application/octet-stream":
+            return self._match_binary(body, query_string)
         try:
             query = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
             raise _HttpError(400, f"body: expected JSON, {exc}") from None
         if type(query) is not dict:
             raise _HttpError(400, f"body: expected a JSON object, got {type(query).__name__}")
-        unknown = set(query) - {"token_ids", "lora_name", "extra_keys", "include_stale"}
+        unknown = set(query) - _MATCH_FIELDS
         if unknown:
             raise _HttpError(400, f"unknown field(s): {', '.join(sorted(unknown))}")
+        hashes = query.get("block_hashes")
         tokens = query.get("token_ids")
-        if type(tokens) is not list:
-            raise _HttpError(400, f"token_ids: expected a list of integers, got {_short(tokens)}")
-        if tokens:
-            try:
-                array("Q", tokens)  # in C: every item a non-negative integer below 2**64
-                ok = set(map(type, tokens)) == {int}
-            except (TypeError, OverflowError):
-                ok = False
-            if not ok:
-                bad = next(
-                    (t for t in tokens if type(t) is not int or not 0 <= t < 2**64), tokens[0]
+        if hashes is not None:
+            if tokens is not None:
+                raise _HttpError(400, "token_ids, block_hashes: expected one of them, got both")
+            if type(hashes) is not list or not all(
+                type(h) is int and -(2**63) <= h < 2**64 for h in hashes
+            ):
+                raise _HttpError(
+                    400, f"block_hashes: expected a list of 64-bit integers, got {_short(hashes)}"
                 )
+        elif type(tokens) is not list:
+            raise _HttpError(400, f"token_ids: expected a list of integers, got {_short(tokens)}")
+        elif (
+            tokens
+            and (
+                b"true" in body
+                or b"false" in body
+                or any(  # the partial last block is not converted by match(): check it here
+                    type(t) is not int or not 0 <= t < 2**64
+                    for t in tokens[len(tokens) - len(tokens) % self.index.block_size :]
+                )
+            )
+        ):
+            # Only then can a token be a bool (floats and negatives are refused
+            # by the conversion in match()): check them one by one.
+            bad = next((t for t in tokens if type(t) is not int or not 0 <= t < 2**64), None)
+            if bad is not None:
                 raise _HttpError(
                     400, f"token_ids: expected non-negative integers below 2**64, got {_short(bad)}"
                 )
@@ -366,12 +394,99 @@ class QueryServer:
             raise _HttpError(
                 400, f"include_stale: expected true or false, got {_short(include_stale)}"
             )
-        matches = self.index.match(tokens, lora, extra_keys=extra, include_stale=include_stale)
-        return {
-            "block_size": self.index.block_size,
-            "blocks": len(tokens) // self.index.block_size,
-            "matches": [m._asdict() for m in matches],
-        }
+        weights = query.get("tier_weights")
+        if weights is not None and type(weights) is not dict:
+            raise _HttpError(
+                400, f"tier_weights: expected an object of medium -> weight, got {_short(weights)}"
+            )
+        index = self.index
+        try:
+            if hashes is not None:
+                origin = query.get("origin")
+                if origin is not None and type(origin) is not str:
+                    raise _HttpError(400, f"origin: expected a string, got {_short(origin)}")
+                rank = query.get("data_parallel_rank")
+                if rank is not None and type(rank) is not int:
+                    raise _HttpError(
+                        400, f"data_parallel_rank: expected an int or null, got {_short(rank)}"
+                    )
+                matches = index.match_engine_hashes(
+                    hashes,
+                    origin=origin,
+                    data_parallel_rank=rank,
+                    include_stale=include_stale,
+                    tier_weights=weights,
+                )
+                blocks = len(hashes)
+            else:
+                assert tokens is not None
+                matches = index.match(
+                    tokens,
+                    lora,
+                    extra_keys=extra,
+                    include_stale=include_stale,
+                    tier_weights=weights,
+                )
+                blocks = len(tokens) // index.block_size
+        except ConfigError as exc:
+            raise _HttpError(400, str(exc)) from None
+        return _answer(index.block_size, blocks, matches)
+
+    def _match_binary(self, body: bytes, query_string: str) -> Any:
+        """Tokens as uint32 little-endian bytes; options in the query string."""
+        lora: str | None = None
+        include_stale = True
+        for pair in query_string.split("&") if query_string else ():
+            name, _, value = pair.partition("=")
+            value = unquote(value)
+            if name == "lora_name":
+                lora = value
+            elif name == "include_stale":
+                if value not in ("true", "false"):
+                    raise _HttpError(400, f"include_stale: expected true or false, got {value!r}")
+                include_stale = value == "true"
+            else:
+                raise _HttpError(
+                    400, f"unknown query parameter {name!r}; expected lora_name, include_stale"
+                )
+        try:
+            matches = self.index.match_bytes(body, lora, include_stale=include_stale)
+        except ConfigError as exc:
+            raise _HttpError(400, str(exc)) from None
+        return _answer(self.index.block_size, len(body) // 4 // self.index.block_size, matches)
+
+
+_MATCH_FIELDS: Final = frozenset(
+    {
+        "token_ids",
+        "block_hashes",
+        "origin",
+        "data_parallel_rank",
+        "lora_name",
+        "extra_keys",
+        "include_stale",
+        "tier_weights",
+    }
+)
+
+
+def _answer(block_size: int, blocks: int, matches: list[PrefixMatch]) -> Any:
+    return {
+        "block_size": block_size,
+        "blocks": blocks,
+        "matches": [
+            {
+                "origin": m.origin,
+                "data_parallel_rank": m.data_parallel_rank,
+                "blocks": m.blocks,
+                "medium": m.medium,
+                "stale": m.stale,
+                "tiers": dict(m.tiers),
+                "score": m.score,
+            }
+            for m in matches
+        ],
+    }
 
 
 def _short(value: object) -> str:

@@ -1223,3 +1223,17 @@ async def test_fed_in_process_through_a_queue_sink(no_leaked_tasks: None) -> Non
     }
     hits = [index.match(r.token_ids, r.lora_name) for r in workload.next_requests(20)]
     assert any(m and m[0].blocks > 2 for m in hits)
+
+
+def test_a_store_with_skipped_blocks_is_counted_never_chained_to_the_wrong_tokens() -> None:
+    # vLLM's sliding-window and Mamba groups skip null blocks: the tokens of every
+    # block, the hashes of the last ones only. The index cannot tell which index
+    # blocks those hashes name for a prefix from the root, so it counts and skips
+    # them, and a later full store of the same prompt still indexes normally.
+    index = PrefixIndex(block_size=B)
+    feed = Feed(index)
+    feed(_stored([5, 6], T[:16]))  # four blocks of tokens, two hashes
+    assert head(index.match(T)) == []
+    assert index.statistics().skipped_blocks == 2
+    feed(_stored([1, 2, 3, 4], T[:16]))
+    assert head(index.match(T)) == [PrefixMatch("a", 4, "GPU")]

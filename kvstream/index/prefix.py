@@ -165,6 +165,10 @@ class IndexStatistics(NamedTuple):
     evicted: int = 0
     #: blocks stored with a block size that is a multiple of the index's (mapped 1:many)
     remapped_blocks: int = 0
+    #: blocks of stores with fewer hashes than blocks of tokens (vLLM's sliding-window
+    #: and Mamba groups skip null blocks): which index blocks the hashes name is not
+    #: known from the root, so they are counted and ignored, never chained wrongly
+    skipped_blocks: int = 0
 
 
 class _Orphan:
@@ -354,6 +358,7 @@ class PrefixIndex:
                 "expired",
                 "evicted",
                 "remapped_blocks",
+                "skipped_blocks",
             ),
             0,
         )
@@ -448,6 +453,8 @@ class PrefixIndex:
             t = event.token_ids
             if not t or event.block_size % size:
                 continue
+            if len(t) != len(event.block_hashes) * event.block_size:
+                continue  # skipped null blocks: see _store's skipped_blocks
             m = len(t) // size
             if (
                 spans
@@ -706,8 +713,11 @@ class PrefixIndex:
         if not event.token_ids:
             self._store_placeholders(state, _fold_all(hashes), t)
             return
-        if prepared is None:  # a block size the index cannot map
-            self._note(state, "wrong_block_size", len(hashes))
+        if prepared is None:
+            if event.block_size and len(event.token_ids) != len(hashes) * event.block_size:
+                self._note(state, "skipped_blocks", len(hashes))
+            else:  # a block size the index cannot map
+                self._note(state, "wrong_block_size", len(hashes))
             return
         values, first, run_end = prepared
         per = event.block_size // self._hasher.block_size

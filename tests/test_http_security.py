@@ -62,7 +62,7 @@ async def test_metrics_server_checks_the_bearer_token() -> None:
 async def test_index_server_checks_the_bearer_token() -> None:
     query = orjson.dumps({"token_ids": list(range(32))})
     head = (
-        "POST /match HTTP/1.1\r\nContent-Type: application/json\r\n"
+        "POST /match HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(query)}\r\nConnection: close\r\n"
     )
     async with QueryServer(PrefixIndex(block_size=16), port=0, token="s3cret") as server:

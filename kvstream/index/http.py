@@ -16,9 +16,9 @@ with an optional ``"origin"`` and ``"data_parallel_rank"``) instead of
 tokens as uint32 little-endian and options go in the query string
 (``/match?lora_name=L&include_stale=false``): the fast path. Requests are
 bounded (head 16 KiB, body ``max_request_bytes``); a malformed one gets a 4xx
-with ``{"error": "..."}`` naming what was wrong. Connections are kept alive
-(HTTP/1.1) until the client closes, says ``Connection: close``, or is idle for
-``idle_timeout`` seconds. Written directly on anyio: no web framework.
+naming what was wrong. Connections are kept alive (HTTP/1.1) until the client
+closes, says ``Connection: close``, or is idle for ``idle_timeout`` seconds. The
+HTTP layer is :mod:`kvstream.wire.http` (h11 under anyio, with its limits).
 """
 
 from __future__ import annotations
@@ -28,59 +28,27 @@ from types import TracebackType
 from typing import Any, Final, Self
 from urllib.parse import unquote
 
-import anyio
 import orjson
-from anyio.abc import Listener, SocketAttribute, SocketStream, TaskGroup
 
-from kvstream.errors import ClosedError, ConfigError, TransportError
+from kvstream.errors import ConfigError
 from kvstream.index.prefix import PrefixIndex, PrefixMatch
-from kvstream.wire.socket_security import bearer_authorized, check_listen_address
+from kvstream.sinks.burst_log import BurstLog
+from kvstream.wire.http import HttpLimits, HttpServer, HttpServerStatistics, Request, Response
 
 __all__ = ["QueryServer"]
 
 log = logging.getLogger("kvstream.index")
 
-MAX_HEAD_BYTES: Final = 16 * 1024
-_REASONS: Final = {
-    401: "Unauthorized",
-    200: "OK",
-    400: "Bad Request",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    408: "Request Timeout",
-    411: "Length Required",
-    413: "Content Too Large",
-    431: "Request Header Fields Too Large",
-    500: "Internal Server Error",
-    501: "Not Implemented",
-    503: "Service Unavailable",
-}
 _ROUTES: Final = {"/match": "POST", "/stats": "GET"}
 
 
 class _HttpError(Exception):
-    """A request the server refuses: status, message, and whether to close."""
+    """A request the index refuses: status and message (answered as JSON)."""
 
-    def __init__(
-        self, status: int, message: str, *, close: bool = False, allow: str | None = None
-    ) -> None:
+    def __init__(self, status: int, message: str, *, allow: str | None = None) -> None:
         super().__init__(message)
         self.status = status
-        self.close = close
         self.allow = allow
-
-
-class _Request:
-    __slots__ = ("body", "close", "content_type", "method", "target")
-
-    def __init__(
-        self, method: str, target: str, body: bytes, close: bool, content_type: str = ""
-    ) -> None:
-        self.content_type = content_type
-        self.method = method
-        self.target = target
-        self.body = body
-        self.close = close
 
 
 class QueryServer:
@@ -88,6 +56,10 @@ class QueryServer:
 
     An async context manager; :meth:`aclose` is idempotent. The index is read
     from the same event loop that feeds it, so a query sees a consistent state.
+    The HTTP layer is kvstream's one server (:class:`~kvstream.wire.http.HttpServer`),
+    with its documented limits: ``max_connections`` (idle connections make room
+    for new ones), head size and time, ``max_request_bytes`` per body,
+    ``idle_timeout`` for keep-alive; :meth:`server_statistics` counts every refusal.
     """
 
     def __init__(
@@ -100,8 +72,8 @@ class QueryServer:
         max_connections: int = 64,
         idle_timeout: float = 30.0,
         token: str | None = None,
+        limits: HttpLimits | None = None,
     ) -> None:
-        check_listen_address(host, token, "kvstream index")
         if type(max_request_bytes) is not int or max_request_bytes <= 0:
             raise ConfigError(
                 f"max_request_bytes: expected a positive int, got {max_request_bytes!r}"
@@ -113,41 +85,39 @@ class QueryServer:
         self.max_request_bytes = max_request_bytes
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
-        self._token = token
         self.requests = 0
         self.errors = 0
-        self._port = port
-        self._connections = 0
-        self._listener: Listener[SocketStream] | None = None
-        self._tg: TaskGroup | None = None
-        self._closed = False
+        self._failures = BurstLog(log)
+        self._http = HttpServer(
+            self._handle,
+            host=host,
+            port=port,
+            limits=limits
+            or HttpLimits(
+                max_connections=max_connections,
+                body_bytes=max_request_bytes,
+                idle_timeout=idle_timeout,
+            ),
+            token=token,
+            name="kvstream index",
+            error_format=_json_error,
+        )
 
     @property
     def port(self) -> int:
         """The port it listens on (known once entered)."""
-        if self._listener is None:
-            return self._port
-        return int(self._listener.extra(SocketAttribute.local_port))
+        return self._http.port
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return self._http.url
+
+    def server_statistics(self) -> HttpServerStatistics:
+        """The HTTP listener's counters (connections, refusals, timeouts)."""
+        return self._http.statistics()
 
     async def __aenter__(self) -> Self:
-        if self._closed or self._listener is not None:
-            raise ClosedError("QueryServer: a server can be entered only once")
-        try:
-            listener = await anyio.create_tcp_listener(
-                local_host=self.host, local_port=self._port, reuse_port=False
-            )
-        except OSError as exc:
-            raise TransportError(f"cannot listen on {self.host}:{self._port}: {exc}") from exc
-        self._listener = listener
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        self._tg = tg
-        tg.start_soon(self._accept, name="kvstream index http accept")
+        await self._http.__aenter__()
         return self
 
     async def __aexit__(
@@ -156,165 +126,33 @@ class QueryServer:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        try:
-            with anyio.CancelScope(shield=True):
-                await self.aclose()
-        finally:
-            tg, self._tg = self._tg, None
-            if tg is not None:
-                tg.cancel_scope.cancel()
-                await tg.__aexit__(None, None, None)
-            # Closed only once nothing accepts on it any more.
-            if self._listener is not None:
-                with anyio.CancelScope(shield=True):
-                    await self._listener.aclose()
+        await self._http.__aexit__(exc_type, exc, tb)
 
     async def aclose(self) -> None:
-        """Stop accepting and close every connection (the socket is released when
-        the ``async with`` block exits). Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._tg is not None:
-            self._tg.cancel_scope.cancel()
+        """Stop accepting and close every connection. Idempotent."""
+        await self._http.aclose()
 
-    # -- connections -----------------------------------------------------------------------
+    # -- requests --------------------------------------------------------------------------
 
-    async def _accept(self) -> None:
-        assert self._listener is not None
-        assert self._tg is not None
-        while True:
-            try:
-                await self._listener.serve(self._connection, task_group=self._tg)
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                return
-            except OSError as exc:  # e.g. too many open files: back off, go on
-                log.warning("index http: accept failed: %s", exc)
-                await anyio.sleep(0.1)
-
-    async def _connection(self, stream: SocketStream) -> None:
-        self._connections += 1
+    async def _handle(self, request: Request) -> Response:
+        self.requests += 1
+        headers: tuple[tuple[str, str], ...] = ()
         try:
-            async with stream:
-                if self._connections > self.max_connections:
-                    await self._send(stream, 503, {"error": "too many connections"}, close=True)
-                    return
-                buffer = bytearray()
-                while True:
-                    close = True
-                    try:
-                        with anyio.fail_after(self.idle_timeout):
-                            request = await self._read_request(stream, buffer)
-                        if request is None:
-                            return
-                        close = request.close
-                        status, body = self._route(request)
-                        allow = None
-                    except TimeoutError:
-                        return
-                    except _HttpError as exc:
-                        status, body, allow = exc.status, {"error": str(exc)}, exc.allow
-                        close = close or exc.close
-                    except Exception as exc:  # a bug must not take the server down
-                        log.exception("index http: request failed")
-                        status, body, allow = 500, {"error": f"internal error: {exc!r}"}, None
-                    self.requests += 1
-                    if status >= 400:
-                        self.errors += 1
-                    await self._send(stream, status, body, close=close, allow=allow)
-                    if close:
-                        return
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            return
-        finally:
-            self._connections -= 1
+            status, body = self._route(request)
+        except _HttpError as exc:
+            status, body = exc.status, {"error": str(exc)}
+            if exc.allow:
+                headers = (("Allow", exc.allow),)
+        except Exception as exc:  # a bug must not take the server down
+            self._failures.log("index http: request failed: %r", exc)
+            log.debug("index http: traceback", exc_info=True)
+            status, body = 500, {"error": f"internal error: {exc!r}"}
+        if status >= 400:
+            self.errors += 1
+            return _json_error(status, body["error"])._replace(headers=headers)
+        return Response(status, orjson.dumps(body), "application/json", headers)
 
-    async def _read_request(self, stream: SocketStream, buffer: bytearray) -> _Request | None:
-        """One request from the connection; None when the client closed between requests."""
-        while True:
-            end = buffer.find(b"\r\n\r\n")
-            if end >= 0:
-                break
-            if len(buffer) > MAX_HEAD_BYTES:
-                raise _HttpError(
-                    431, f"request head larger than {MAX_HEAD_BYTES} bytes", close=True
-                )
-            try:
-                chunk = await stream.receive(65536)
-            except anyio.EndOfStream:
-                if buffer.strip():
-                    raise _HttpError(400, "connection closed mid-request", close=True) from None
-                return None
-            buffer += chunk
-        if end > MAX_HEAD_BYTES:
-            raise _HttpError(431, f"request head larger than {MAX_HEAD_BYTES} bytes", close=True)
-        head = bytes(buffer[:end]).decode("latin-1")
-        del buffer[: end + 4]
-        lines = head.split("\r\n")
-        parts = lines[0].split(" ")
-        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-            raise _HttpError(400, f"malformed request line {lines[0][:100]!r}", close=True)
-        method, target, version = parts
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if not sep or not name or name != name.strip():
-                raise _HttpError(400, f"malformed header line {line[:100]!r}", close=True)
-            headers[name.lower()] = value.strip()
-        connection = headers.get("connection", "").lower()
-        close = connection == "close" or (version == "HTTP/1.0" and connection != "keep-alive")
-        if "transfer-encoding" in headers:
-            raise _HttpError(
-                501, "Transfer-Encoding is not supported; send Content-Length", close=True
-            )
-        length_text = headers.get("content-length", "0")
-        if not length_text.isdigit():
-            raise _HttpError(
-                400, f"Content-Length: expected a number, got {length_text!r}", close=True
-            )
-        length = int(length_text)
-        if length > self.max_request_bytes:
-            raise _HttpError(
-                413,
-                f"request body of {length} bytes exceeds the limit of {self.max_request_bytes}",
-                close=True,
-            )
-        while len(buffer) < length:
-            try:
-                buffer += await stream.receive(65536)
-            except anyio.EndOfStream:
-                raise _HttpError(400, "connection closed mid-body", close=True) from None
-        body = bytes(buffer[:length])
-        del buffer[:length]
-        if not bearer_authorized(headers.get("authorization"), self._token):
-            raise _HttpError(401, "missing or wrong bearer token", close=True)
-        content_type = headers.get("content-type", "").partition(";")[0].strip().lower()
-        return _Request(method, target, body, close, content_type)
-
-    async def _send(
-        self,
-        stream: SocketStream,
-        status: int,
-        body: Any,
-        *,
-        close: bool = False,
-        allow: str | None = None,
-    ) -> None:
-        payload = orjson.dumps(body)
-        head = (
-            f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
-            f"Content-Type: application/json\r\n"
-            f"Content-Length: {len(payload)}\r\n"
-        )
-        if allow:
-            head += f"Allow: {allow}\r\n"
-        if close:
-            head += "Connection: close\r\n"
-        await stream.send(head.encode("latin-1") + b"\r\n" + payload)
-
-    # -- routes ----------------------------------------------------------------------------
-
-    def _route(self, request: _Request) -> tuple[int, Any]:
+    def _route(self, request: Request) -> tuple[int, Any]:
         path = request.target.partition("?")[0]
         method = _ROUTES.get(path)
         if method is None:
@@ -323,9 +161,8 @@ class QueryServer:
             raise _HttpError(405, f"{path} takes {method}, got {request.method}", allow=method)
         if path == "/stats":
             return 200, self._stats()
-        return 200, self._match(
-            request.body, request.content_type, request.target.partition("?")[2]
-        )
+        content_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        return 200, self._match(request.body, content_type, request.query)
 
     def _stats(self) -> Any:
         stats = self.index.statistics()
@@ -468,6 +305,10 @@ _MATCH_FIELDS: Final = frozenset(
         "tier_weights",
     }
 )
+
+
+def _json_error(status: int, message: str) -> Response:
+    return Response(status, orjson.dumps({"error": message}), "application/json")
 
 
 def _answer(block_size: int, blocks: int, matches: list[PrefixMatch]) -> Any:

@@ -27,7 +27,7 @@ lines, ...) are refused by h11 and answered ``400``. A handler that raises gets
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Final, NamedTuple, Self
@@ -42,11 +42,13 @@ from kvstream.sinks.burst_log import BurstLog
 from kvstream.wire.socket_security import bearer_authorized, check_listen_address
 
 __all__ = [
+    "ErrorFormat",
     "HttpLimits",
     "HttpServer",
     "HttpServerStatistics",
     "Request",
     "Response",
+    "text_error",
 ]
 
 log = logging.getLogger("kvstream.http")
@@ -114,6 +116,13 @@ class Response(NamedTuple):
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+#: Formats a refusal the server makes itself (status, message) as a response.
+ErrorFormat = Callable[[int, str], Response]
+
+
+def text_error(status: int, message: str) -> Response:
+    """The default refusal: the message as a line of text."""
+    return Response(status, f"{message}\n".encode())
 
 
 class HttpServerStatistics(NamedTuple):
@@ -172,6 +181,7 @@ class HttpServer:
         name: str = "http",
         token_hint: str = "--token-env NAME or --token-file PATH",
         keep_alive: bool = True,
+        error_format: ErrorFormat = text_error,
     ) -> None:
         check_listen_address(host, token, name, token_hint)
         if type(port) is not int or not 0 <= port <= 65535:
@@ -181,6 +191,7 @@ class HttpServer:
         self.limits = limits or HttpLimits()
         self.name = name
         self.keep_alive = keep_alive
+        self._error_format = error_format
         self._token = token
         self._requested_port = port
         self._listener: MultiListener[SocketStream] | None = None
@@ -323,9 +334,8 @@ class HttpServer:
                 self._refused += 1
                 self._errors += 1
                 # Refused before any request was read: the answer goes out raw.
-                await _send_quietly(
-                    stream, _raw_response(503, b"too many connections; try again later\n")
-                )
+                refusal = self._error_format(503, "too many connections; try again later")
+                await _send_quietly(stream, _raw_response(503, refusal))
                 return
             try:
                 with slot.scope:
@@ -455,7 +465,7 @@ class HttpServer:
                 "%s: %s %s failed: %r", self.name, request.method, request.path, exc
             )
             log.debug("%s: handler traceback", self.name, exc_info=True)
-            response = Response(500, b"internal error; see the server's log\n")
+            response = self._error_format(500, "internal error; see the server's log")
         if response.status >= 400:
             self._errors += 1
         return response
@@ -474,7 +484,8 @@ class HttpServer:
         ]
         if not self.keep_alive:
             headers.append(("Connection", "close"))
-        data = conn.send(h11.Response(status_code=response.status, headers=headers))
+        reason = _REASONS.get(response.status, b"")
+        data = conn.send(h11.Response(status_code=response.status, headers=headers, reason=reason))
         if request.method != "HEAD":
             data = (data or b"") + (conn.send(h11.Data(data=response.body)) or b"")
         data = (data or b"") + (conn.send(h11.EndOfMessage()) or b"")
@@ -485,37 +496,38 @@ class HttpServer:
         """Answer a request that never reached the handler, then close."""
         self._errors += 1
         self._requests += 1
-        body = f"{refusal}\n".encode()
+        response = self._error_format(refusal.status, str(refusal))
         if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             try:
                 head = conn.send(
                     h11.Response(
                         status_code=refusal.status,
+                        reason=_REASONS.get(refusal.status, b""),
                         headers=[
-                            ("Content-Type", "text/plain; charset=utf-8"),
-                            ("Content-Length", str(len(body))),
+                            ("Content-Type", response.content_type),
+                            ("Content-Length", str(len(response.body))),
                             ("Connection", "close"),
                         ],
                     )
                 )
                 await _send_quietly(
-                    stream, (head or b"") + body + (conn.send(h11.EndOfMessage()) or b"")
+                    stream,
+                    (head or b"") + response.body + (conn.send(h11.EndOfMessage()) or b""),
                 )
                 return
             except h11.LocalProtocolError:
                 pass  # h11 saw no request line: answer raw
-        await _send_quietly(stream, _raw_response(refusal.status, body))
+        await _send_quietly(stream, _raw_response(refusal.status, response))
 
 
-def _raw_response(status: int, body: bytes, headers: Iterable[tuple[str, str]] = ()) -> bytes:
+def _raw_response(status: int, response: Response) -> bytes:
     lines = [
         b"HTTP/1.1 %d %s" % (status, _REASONS.get(status, b"Error")),
-        b"Content-Type: text/plain; charset=utf-8",
-        b"Content-Length: %d" % len(body),
+        f"Content-Type: {response.content_type}".encode("latin-1"),
+        b"Content-Length: %d" % len(response.body),
         b"Connection: close",
-        *(f"{name}: {value}".encode("latin-1") for name, value in headers),
     ]
-    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+    return b"\r\n".join(lines) + b"\r\n\r\n" + response.body
 
 
 async def _send_quietly(stream: SocketStream, data: bytes) -> None:

@@ -1,8 +1,8 @@
-"""What every script in ``benchmarks/`` shares: options, the run, the output.
+"""What every script in `benchmarks/` shares: options, the run, the output.
 
-The benchmarks themselves live in :mod:`kvstream.bench` (so ``kvstream bench``
+The benchmarks themselves live in `kvstream.bench` (so `kvstream bench`
 can run them from an installed package); each script here runs a few of them,
-prints their table and writes the JSON report. Every script takes::
+prints their table and writes the JSON report. Every script takes:
 
     --quick        small sizes (seconds, for development)
     --json PATH    write the report as JSON ('-' for stdout, no table)
@@ -47,7 +47,7 @@ def sizes_of(args: argparse.Namespace) -> Sizes:
 def main(
     args: argparse.Namespace, benchmarks: Sequence[str], *, sinks: Sequence[str] | None = None
 ) -> int:
-    """Run ``benchmarks`` (names of :data:`kvstream.bench.suite.BENCHMARKS`), report."""
+    """Run `benchmarks` (names of `kvstream.bench.suite.BENCHMARKS`), report."""
     sizes = sizes_of(args)
 
     async def go() -> dict[str, Any]:

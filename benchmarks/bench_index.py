@@ -6,30 +6,30 @@
 
 What is measured (block size 16, four origins, tokens below 32000):
 
-* **apply**: blocks/s of ``PrefixIndex.apply`` over batches of ``BlockStored``
+* **apply**: blocks/s of `PrefixIndex.apply` over batches of `BlockStored`
   events of 16 blocks (256 tokens) each, chains of 512 blocks, every block
   then also placed on a second tier by a placeholder event one time in four;
   and over the events of simulated engines (stores, evictions, three tiers).
   The baseline, measured in the same run, is the index's hash alone
-  (``BlockHasher.chain`` over the same tokens): the floor of any rehashing index.
-* **match**: latency of ``PrefixIndex.match`` for 1k- and 8k-token prompts (64
-  and 512 blocks) against indexes of N blocks: ``hit`` prompts are fully indexed
-  (the worst case: every block is hashed and looked up), ``miss`` prompts share
+  (`BlockHasher.chain` over the same tokens): the floor of any rehashing index.
+* **match**: latency of `PrefixIndex.match` for 1k- and 8k-token prompts (64
+  and 512 blocks) against indexes of N blocks: `hit` prompts are fully indexed
+  (the worst case: every block is hashed and looked up), `miss` prompts share
   nothing. Baseline: hashing the prompt alone.
-* **match, bytes API**: ``PrefixIndex.match_bytes`` on the same prompts as
+* **match, bytes API**: `PrefixIndex.match_bytes` on the same prompts as
   uint32 little-endian bytes; baseline: hashing those bytes alone.
-* **http**: ``POST /match`` round trips for 8k-token prompts (JSON and binary
+* **http**: `POST /match` round trips for 8k-token prompts (JSON and binary
   bodies) over a kept-alive loopback connection, against the in-process call.
-* **memory**: bytes per block traced with ``tracemalloc`` while the index is
+* **memory**: bytes per block traced with `tracemalloc` while the index is
   built (events are made before tracing starts) and its lookup table made by a
   first match, for one origin on one tier, the same blocks on two tiers, and
   four origins holding the same blocks.
-* **gc**: a full ``gc.collect()`` with the largest index alive (its state is
+* **gc**: a full `gc.collect()` with the largest index alive (its state is
   dicts of integers, which the collector does not track).
 
-Medians of ``--repeat`` runs after a warm-up; latencies are p50/p99 over
-``--queries`` prompts. Times are the process's CPU time by default (the
-machines this runs on are shared; ``--clock wall`` for wall-clock time).
+Medians of `--repeat` runs after a warm-up; latencies are p50/p99 over
+`--queries` prompts. Times are the process's CPU time by default (the
+machines this runs on are shared; `--clock wall` for wall-clock time).
 """
 
 from __future__ import annotations
@@ -309,7 +309,7 @@ class _Node:
 def bench_gc(blocks: int) -> dict[str, Any]:
     """A full collection with the index alive, against an object per block in a dict.
 
-    Everything alive before is frozen first (``gc.freeze()``), so the collection
+    Everything alive before is frozen first (`gc.freeze()`), so the collection
     walks only what is built here.
     """
     gc.collect()
@@ -346,7 +346,7 @@ def bench_gc(blocks: int) -> dict[str, Any]:
 
 
 def bench_http(corpus: Corpus, queries: int) -> dict[str, Any]:
-    """``POST /match`` for an 8k-token prompt over a kept-alive loopback connection,
+    """`POST /match` for an 8k-token prompt over a kept-alive loopback connection,
     JSON (orjson) and binary bodies, against the in-process call in the same run.
 
     Wall-clock round trips measured by the client, which sends pre-encoded

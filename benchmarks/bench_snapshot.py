@@ -7,23 +7,23 @@
 What is measured, for one origin holding N blocks on one tier (block size 16,
 token ids below 32000, stored in chains of 512 blocks, 16 blocks per event):
 
-* **keep**: CPU time of :meth:`StateKeeper.apply` over the batches that store
+* **keep**: CPU time of `StateKeeper.apply()` over the batches that store
   the N blocks (64 events per batch), and the bytes the keeper holds then
-  (``tracemalloc``) beside its own estimate (what ``max_bytes`` bounds).
+  (`tracemalloc`) beside its own estimate (what `max_bytes` bounds).
 * **take + encode**: CPU time of what a broker sink does when a snapshot is
   due: the snapshot's events made a slice at a time and encoded as JSON parts
-  in an envelope (:func:`kvstream.wire.broker.snapshot_parts`), and its bytes;
+  in an envelope (`kvstream.wire.broker.snapshot_parts()`), and its bytes;
   and the longest slice (how long the event loop runs without a checkpoint).
 * **decode**: CPU time of reading the envelope back into one batch of events,
   as the subscribers do.
 * **baseline** (same run): encoding with the same JSON codec the batches that
   built the state: what a consumer would have to be sent, at the least, to
   rebuild the state from the stream instead.
-* with ``--nats URL`` / ``--redis URL`` (a running server): wall time of a
-  sink publishing the snapshot (``publish_snapshot``) and of a subscriber
-  reading it back into one ``SnapshotBatch`` (medians of ``--repeat``).
+* with `--nats URL` / `--redis URL` (a running server): wall time of a
+  sink publishing the snapshot (`publish_snapshot`) and of a subscriber
+  reading it back into one `SnapshotBatch` (medians of `--repeat`).
 
-Medians of ``--repeat`` runs after a warm-up (the keep step once: it builds the
+Medians of `--repeat` runs after a warm-up (the keep step once: it builds the
 state the others use). CPU time of this process (the machines are shared).
 """
 

@@ -5,10 +5,10 @@
     python benchmarks/profile_zmq.py --side both --batch 16 --batches 3000
     python benchmarks/profile_zmq.py --side kvstream --ring-mib 64      # replay ring on
 
-Publishes ``--batches`` pre-built batches of ``--batch`` events, as
-``kvstream bench --only zmq`` does (same workload, same counting subscriber
-process), ``--repeat`` times per side, and prints CPU microseconds per batch
-and per event (median). With ``--side both`` the sides alternate.
+Publishes `--batches` pre-built batches of `--batch` events, as
+`kvstream bench --only zmq` does (same workload, same counting subscriber
+process), `--repeat` times per side, and prints CPU microseconds per batch
+and per event (median). With `--side both` the sides alternate.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     py-spy record -f raw -r 1000 -o prof.txt -- python benchmarks/profile_zmq.py
     python benchmarks/pyspy_top.py prof.txt --within _writer --within _kvstream_run
 
-Prints, for the samples whose stack contains one of the ``--within`` frames
+Prints, for the samples whose stack contains one of the `--within` frames
 (all samples without it), the share of samples per frame: *self* (the frame
 was running) and *inclusive* (the frame was on the stack).
 """

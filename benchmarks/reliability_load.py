@@ -1,22 +1,22 @@
 """Reliability under load: N seeded events through one scheduler into every local sink.
 
-Policy ``block`` on every sink: nothing may be lost. Each sink's consumer checks
+Policy `block` on every sink: nothing may be lost. Each sink's consumer checks
 every sequence number once and in order, and every event against the stream
-regenerated from the seed (:class:`kvstream.testing.SeededEvents`), so nothing
+regenerated from the seed (`kvstream.testing.SeededEvents`), so nothing
 is held in memory to compare against:
 
-* ``queue``: a consumer task reading the :class:`QueueSink` as batches arrive;
-* ``memory``: the :class:`MemorySink`'s list, checked and emptied every 64 ticks;
-* ``file``: the JSON-lines file, read back with :class:`FileSubscriber` after
+* `queue`: a consumer task reading the `QueueSink` as batches arrive;
+* `memory`: the `MemorySink`'s list, checked and emptied every 64 ticks;
+* `file`: the JSON-lines file, read back with `FileSubscriber` after
   the run (its read-back time is reported apart).
 
 The CI suite runs the same pipeline with one million events
-(``tests/test_reliability_load.py``); this script is the ten-million run::
+(`tests/test_reliability_load.py`); this script is the ten-million run:
 
     python benchmarks/reliability_load.py --events 10000000 --json
 
 Numbers: sent, received, dropped and duplicated per sink, wall time, and the
-process's peak resident memory (``ru_maxrss``).
+process's peak resident memory (`ru_maxrss`).
 """
 
 from __future__ import annotations

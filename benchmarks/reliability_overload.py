@@ -1,21 +1,20 @@
 """Overload: one sink stalled (its send waits at a gate) while the engine keeps ticking.
 
-For each policy, ``--stalled-ticks`` ticks of ``--per-batch`` events run while
-the stalled sink is provably inside ``send``; a healthy sink with policy
-``block`` runs beside it. Measured, per policy:
+For each policy, `--stalled-ticks` ticks of `--per-batch` events run while
+the stalled sink is provably inside `send`; a healthy sink with policy
+`block` runs beside it. Measured, per policy:
 
-* ticks that suspended (stepping each ``tick()`` coroutine by hand: a tick that
+* ticks that suspended (stepping each `tick()` coroutine by hand: a tick that
   completes in one step never waited);
-* the stalled outbox's peak ``queued_bytes`` against its ``max_bytes``, and the
+* the stalled outbox's peak `queued_bytes` against its `max_bytes`, and the
   traced memory (tracemalloc) the run grew by, against what the batches made
   during the stall take when held;
 * batches sent, delivered, dropped (as the sink counted them) and missing,
   duplicated (as the consumer saw them after the gate opened).
 
-For ``block`` the stalled tick is released after ``--block-wait`` seconds by
+For `block` the stalled tick is released after `--block-wait` seconds by
 opening the gate; what is reported is that it waited and that nothing was lost.
 
-::
 
     python benchmarks/reliability_overload.py --json
 """

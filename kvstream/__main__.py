@@ -1,4 +1,4 @@
-"""``python -m kvstream``: the same as the ``kvstream`` command."""
+"""`python -m kvstream`: the same as the `kvstream` command."""
 
 from kvstream.cli.main import main
 

@@ -1,13 +1,13 @@
 """KV cache events and the batch that carries them.
 
-The three event types mirror vLLM's (``vllm/distributed/kv_events.py``) field for
+The three event types mirror vLLM's (`vllm/distributed/kv_events.py`) field for
 field, so nothing is renamed at the wire, plus what vLLM's "KV events from
 connectors" proposal added and its review dropped: every field is keyword-only and
-every event has a ``metadata`` mapping (JSON-safe, ``str`` keys).
+every event has a `metadata` mapping (JSON-safe, `str` keys).
 
-Events are immutable ``msgspec.Struct`` values. They are validated when they are
+Events are immutable `msgspec.Struct` values. They are validated when they are
 made, at about the cost of serializing them: the bulk checks (every token id and
-hash an integer in range) run in C through :mod:`array`, and everything else is a
+hash an integer in range) run in C through `array`, and everything else is a
 handful of type checks.
 """
 
@@ -37,17 +37,17 @@ __all__ = [
     "validate_metadata",
 ]
 
-#: A block hash: an integer in ``[-2**63, 2**64)`` (vLLM's default is the low 64
+#: A block hash: an integer in `[-2**63, 2**64)` (vLLM's default is the low 64
 #: bits of a sha256 digest; SGLang's is signed) or raw digest bytes.
 BlockHash: TypeAlias = int | bytes
 
-#: Storage tiers vLLM names in ``medium``. Other strings are allowed.
+#: Storage tiers vLLM names in `medium`. Other strings are allowed.
 MEDIA: Final = ("GPU", "CPU", "CPU_PINNED", "DISK", "EXTERNAL", "STORAGE")
 
-#: The ``metadata`` key under which fields of a foreign dialect travel (SGLang's
-#: ``cache_salt`` and ``session_id``, a raw ``medium`` spelling, EAGLE token
+#: The `metadata` key under which fields of a foreign dialect travel (SGLang's
+#: `cache_salt` and `session_id`, a raw `medium` spelling, EAGLE token
 #: pairs, fields a later vLLM adds): kvstream's codecs write them back where the
-#: target dialect has them. See :mod:`kvstream.codecs.dialects`.
+#: target dialect has them. See `kvstream.codecs.dialects`.
 WIRE_KEY: Final = "wire"
 
 _HASH_MIN: Final = -(2**63)
@@ -62,7 +62,7 @@ _REPR.maxstring = _REPR.maxother = _REPR.maxlong = 80
 
 
 def shorten(value: object) -> str:
-    """A repr of ``value`` short enough for an error message, whatever its depth."""
+    """A repr of `value` short enough for an error message, whatever its depth."""
     shown = _REPR.repr(value)
     return shown if len(shown) <= 80 else shown[:77] + "..."
 
@@ -91,7 +91,7 @@ _STRICT_CONVERT: Final = msgspec.convert
 
 
 def _checked_hashes(event: str, hashes: object) -> list[BlockHash]:
-    """Validate ``block_hashes``; returns the list to store (the caller's list if it is one)."""
+    """Validate `block_hashes`; returns the list to store (the caller's list if it is one)."""
     if type(hashes) is not list:
         if not isinstance(hashes, Sequence) or isinstance(hashes, str | bytes):
             raise _fail_type(event, "block_hashes", hashes, "a list of block hashes")
@@ -111,7 +111,7 @@ def _checked_hashes(event: str, hashes: object) -> list[BlockHash]:
 
 
 def _token_value(event: str, where: str, t: object) -> int:
-    """One token id as an ``int``: numpy and other integer types are converted, bool refused."""
+    """One token id as an `int`: numpy and other integer types are converted, bool refused."""
     if type(t) is int:
         value: int = t
     elif type(t) is bool or isinstance(t, float | str | bytes):
@@ -133,12 +133,12 @@ def _is_pair(t: object) -> bool:
 def _flatten_pairs(
     event: str, pairs: list[Any], metadata: dict[str, Any] | None
 ) -> tuple[list[int], dict[str, Any]]:
-    """SGLang's EAGLE pages: ``token_ids`` as ``(token, next token)`` pairs.
+    """SGLang's EAGLE pages: `token_ids` as `(token, next token)` pairs.
 
     The event keeps the tokens (the first of each pair), which is what every
-    reader of ``token_ids`` expects; the second elements go to
-    ``metadata["wire"]``, so the pairs can be written back exactly: only the
-    last pair's ``next`` when the pairs chain (``pair[i][1] == pair[i+1][0]``,
+    reader of `token_ids` expects; the second elements go to
+    `metadata["wire"]`, so the pairs can be written back exactly: only the
+    last pair's `next` when the pairs chain (`pair[i][1] == pair[i+1][0]`,
     the EAGLE bigram form), every second element when they do not.
     """
     firsts: list[int] = []
@@ -157,7 +157,7 @@ def _flatten_pairs(
 
 
 def with_wire(metadata: object, wire: Mapping[str, Any], event: str = "event") -> dict[str, Any]:
-    """``metadata`` (copied) with ``wire``'s entries merged into ``metadata["wire"]``."""
+    """`metadata` (copied) with `wire`'s entries merged into `metadata["wire"]`."""
     if metadata is not None and not isinstance(metadata, Mapping):
         raise _fail_type(event, "metadata", metadata, "a str-keyed mapping or None")
     meta = dict(metadata) if metadata else {}
@@ -171,11 +171,11 @@ def with_wire(metadata: object, wire: Mapping[str, Any], event: str = "event") -
 
 
 def _checked_tokens(event: str, tokens: object) -> list[int]:
-    """Validate ``token_ids`` element by element; returns the list to store.
+    """Validate `token_ids` element by element; returns the list to store.
 
-    The caller has already tried the fast path (``array.fromlist`` plus a type
+    The caller has already tried the fast path (`array.fromlist` plus a type
     scan, both in C); this is the slow path that names the bad element, or
-    converts integer types that are not ``int`` (numpy) into ``int``.
+    converts integer types that are not `int` (numpy) into `int`.
     """
     if type(tokens) is not list:
         if not isinstance(tokens, Sequence) or isinstance(tokens, str | bytes):
@@ -193,25 +193,25 @@ def _checked_tokens(event: str, tokens: object) -> list[int]:
 
 
 def _as_token_list(event: str, tokens: object) -> list[Any]:
-    """``token_ids`` given as another sequence (a tuple), as a list."""
+    """`token_ids` given as another sequence (a tuple), as a list."""
     if not isinstance(tokens, Sequence) or isinstance(tokens, str | bytes):
         raise _fail_type(event, "token_ids", tokens, "a list of int")
     return list(tokens)
 
 
 def _checked_token_count(event: str, n_tokens: int, size: int, n_hashes: int) -> None:
-    """The rule for how many tokens a ``BlockStored`` carries, from what engines send.
+    """The rule for how many tokens a `BlockStored` carries, from what engines send.
 
-    * ``block_size == 0``: vLLM's placeholder form, no tokens.
-    * Otherwise the tokens are whole blocks (``len(token_ids) % block_size == 0``)
+    * `block_size == 0`: vLLM's placeholder form, no tokens.
+    * Otherwise the tokens are whole blocks (`len(token_ids) % block_size == 0`)
       and there are at least as many blocks of tokens as hashes. vLLM's block
       pool skips null blocks (sliding-window and Mamba groups) when it collects
       the hashes but keeps every block's tokens, so a group with skipped blocks
       sends fewer hashes than token blocks, possibly none. The skipped blocks
       are the leading ones (outside the sliding window; Mamba's align-mode
-      padding), so the hashes belong to the last ``len(block_hashes)`` blocks
+      padding), so the hashes belong to the last `len(block_hashes)` blocks
       of tokens. A partial last page (SGLang) is one block with
-      ``block_size = len(token_ids)``.
+      `block_size = len(token_ids)`.
     """
     if size == 0:
         if n_tokens:
@@ -257,7 +257,7 @@ def _check_utf8(event: str, field: str, value: str) -> None:
 
 
 def _json_safe(event: str, where: str, value: object, depth: int) -> Any:
-    """Return ``value`` as plain JSON data (tuples become lists), or raise."""
+    """Return `value` as plain JSON data (tuples become lists), or raise."""
     t = type(value)
     if t is str:
         if not value.isascii():  # type: ignore[attr-defined]
@@ -291,9 +291,9 @@ def _json_safe(event: str, where: str, value: object, depth: int) -> Any:
 
 
 def validate_metadata(metadata: object, event: str = "event") -> dict[str, Any] | None:
-    """Check that ``metadata`` is JSON-safe and return it as a plain dict.
+    """Check that `metadata` is JSON-safe and return it as a plain dict.
 
-    Keys must be ``str``; values None, bool, int (in ``[-2**63, 2**64)``), finite
+    Keys must be `str`; values None, bool, int (in `[-2**63, 2**64)`), finite
     float, str, list/tuple or str-keyed mapping, nested at most 32 deep. Tuples
     become lists, so an event equals itself after a round trip.
     """
@@ -353,9 +353,9 @@ class KVCacheEvent(
     tag=True,
     forbid_unknown_fields=True,  # decoders must see a foreign field (kept in metadata)
 ):
-    """Base of the three KV cache events. Every event also has ``metadata``."""
+    """Base of the three KV cache events. Every event also has `metadata`."""
 
-    #: The tiers an event is about; ``None`` means every tier (AllBlocksCleared).
+    #: The tiers an event is about; `None` means every tier (AllBlocksCleared).
     type_name: ClassVar[str]
 
     def __post_init__(self) -> None:
@@ -367,10 +367,10 @@ class KVCacheEvent(
 
 
 class BlockStored(KVCacheEvent, kw_only=True, frozen=True, gc=False):
-    """Blocks entered a tier (``medium``), chained on ``parent_block_hash``.
+    """Blocks entered a tier (`medium`), chained on `parent_block_hash`.
 
-    ``token_ids`` holds ``block_size`` tokens per block, or is empty with
-    ``block_size == 0`` (vLLM's placeholder form, used by offloading connectors).
+    `token_ids` holds `block_size` tokens per block, or is empty with
+    `block_size == 0` (vLLM's placeholder form, used by offloading connectors).
     """
 
     block_hashes: list[BlockHash]
@@ -467,7 +467,7 @@ class BlockStored(KVCacheEvent, kw_only=True, frozen=True, gc=False):
 
 
 class BlockRemoved(KVCacheEvent, kw_only=True, frozen=True, gc=False):
-    """Blocks left a tier (``medium``)."""
+    """Blocks left a tier (`medium`)."""
 
     block_hashes: list[BlockHash]
     medium: str | None = None
@@ -514,12 +514,12 @@ AnyEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
 class EventBatch:
     """The events of one origin sealed by one tick.
 
-    ``(origin, epoch, seq)`` names a batch for ever: ``seq`` counts batches from 0
-    within an epoch, and a new ``epoch`` (drawn when a scheduler starts) tells
+    `(origin, epoch, seq)` names a batch for ever: `seq` counts batches from 0
+    within an epoch, and a new `epoch` (drawn when a scheduler starts) tells
     consumers that the producer restarted.
 
     A batch is a frozen value: its attributes cannot be rebound, and nothing is
-    cached on it (encodings live in the sinks' encoding group). ``events`` is the
+    cached on it (encodings live in the sinks' encoding group). `events` is the
     list the batch was sealed with; treat it as read-only.
     """
 
@@ -606,7 +606,7 @@ class EventBatch:
         object.__delattr__(self, name)
 
     def replace(self, **changes: Any) -> EventBatch:
-        """A copy of this batch with ``changes`` applied (validated as a new batch)."""
+        """A copy of this batch with `changes` applied (validated as a new batch)."""
         fields: dict[str, Any] = {
             "seq": self.seq,
             "ts": self.ts,
@@ -623,7 +623,7 @@ class EventBatch:
 
     @property
     def key(self) -> tuple[str, str, int]:
-        """``(origin, epoch, seq)``: the batch's name for ever."""
+        """`(origin, epoch, seq)`: the batch's name for ever."""
         return (self.origin, self.epoch, self.seq)
 
     def __eq__(self, other: object) -> bool:

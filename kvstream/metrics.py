@@ -1,27 +1,27 @@
-"""Prometheus metrics read from ``statistics()`` at scrape time.
+"""Prometheus metrics read from `statistics()` at scrape time.
 
-:class:`StatisticsCollector` is a prometheus-client *custom collector*: it keeps
-references to the objects it reports on (a :class:`~kvstream.Scheduler` with its
+`StatisticsCollector` is a prometheus-client *custom collector*: it keeps
+references to the objects it reports on (a [`Scheduler`][kvstream.scheduler.Scheduler] with its
 sources and sinks, a lone sink, a subscriber, an index ...) and calls their
-``statistics()`` only when Prometheus scrapes. Nothing is counted twice and
+`statistics()` only when Prometheus scrapes. Nothing is counted twice and
 nothing costs anything per event.
 
-:class:`MetricsServer` serves the collector over HTTP on the event loop (no
-thread), for ``--metrics ADDR`` on the long-running commands::
+`MetricsServer` serves the collector over HTTP on the event loop (no
+thread), for `--metrics ADDR` on the long-running commands:
 
     collector = StatisticsCollector(scheduler)
     async with MetricsServer(collector, "127.0.0.1:9464") as server:
         ...  # GET http://127.0.0.1:9464/metrics
 
-Names follow Prometheus conventions: ``kvstream_`` prefix, counters end in
-``_total``, units in the name (``_bytes``). The sink, source and scheduler
-records map field by field (see :data:`SINK_FIELDS` and friends); a sink's
-transport record (its other ``*_statistics()`` methods: the socket sink's
-``server_statistics()``, the ZMQ sink's ``zmq_statistics()``) and the fields of
-any other target are exported by one rule (:func:`metric_for_field`): integers
+Names follow Prometheus conventions: `kvstream_` prefix, counters end in
+`_total`, units in the name (`_bytes`). The sink, source and scheduler
+records map field by field (see `SINK_FIELDS` and friends); a sink's
+transport record (its other `*_statistics()` methods: the socket sink's
+`server_statistics()`, the ZMQ sink's `zmq_statistics()`) and the fields of
+any other target are exported by one rule (`metric_for_field()`): integers
 are counters unless the name says they are a level.
 
-Needs the ``metrics`` extra (``pip install 'kvstream-events[metrics]'``).
+Needs the `metrics` extra (`pip install 'kvstream-events[metrics]'`).
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ NAMESPACE: Final = "kvstream"
 class MetricSpec(NamedTuple):
     """How one statistics field becomes a metric."""
 
-    #: ``counter`` or ``gauge``.
+    #: `counter` or `gauge`.
     type: Literal["counter", "gauge"]
-    #: The name after ``kvstream_<kind>_``; counters without the ``_total``.
+    #: The name after `kvstream_<kind>_`; counters without the `_total`.
     name: str
     help: str
 
@@ -86,7 +86,7 @@ def _g(name: str, help: str) -> MetricSpec:
     return MetricSpec("gauge", name, help)
 
 
-#: ``SchedulerStatistics`` field -> metric (labels: ``origin``).
+#: `SchedulerStatistics` field -> metric (labels: `origin`).
 SCHEDULER_FIELDS: Final[Mapping[str, MetricSpec]] = {
     "ticks": _c("ticks", "Ticks run (including ticks with nothing to seal)."),
     "batches_sealed": _c("batches_sealed", "Batches sealed, over every origin."),
@@ -95,14 +95,14 @@ SCHEDULER_FIELDS: Final[Mapping[str, MetricSpec]] = {
     "pending_events": _g("pending_events", "Events accepted and waiting for the next tick."),
 }
 
-#: ``SourceStatistics`` field -> metric (labels: ``source``, ``origin``, ``kind``).
+#: `SourceStatistics` field -> metric (labels: `source`, `origin`, `kind`).
 SOURCE_FIELDS: Final[Mapping[str, MetricSpec]] = {
     "events_accepted": _c("events_accepted", "Events this source handed to the scheduler."),
     "pending_events": _g("pending_events", "Events of this source waiting for the next tick."),
     "running": _g("running", "1 while the source is being pulled."),
 }
 
-#: ``SinkStatistics`` field -> metric (labels: ``sink``).
+#: `SinkStatistics` field -> metric (labels: `sink`).
 SINK_FIELDS: Final[Mapping[str, MetricSpec]] = {
     "batches_in": _c("batches_in", "Batches offered to the sink, including those it dropped."),
     "batches_out": _c("batches_out", "Batches the sink delivered."),
@@ -169,12 +169,12 @@ _NAME_OK = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 def metric_for_field(field: str, value: object = 0) -> MetricSpec:
     """How a field no table names is exported.
 
-    A flag or a float is a gauge. An integer is a counter (``replay_hits``,
-    ``reconnects``, ``gap_notices``, ``blocks_stored``) unless its first word is
-    a level word (``queued``, ``pending``, ``ring``, ``lag``, ``memory``,
-    ``next`` ...) or its last word is one (``subscribers``, ``active``,
-    ``size``, ``blocks``, ``origins`` ...). A ``bytes`` word moves to the end
-    as the unit: ``bytes_in`` -> ``in_bytes_total``.
+    A flag or a float is a gauge. An integer is a counter (`replay_hits`,
+    `reconnects`, `gap_notices`, `blocks_stored`) unless its first word is
+    a level word (`queued`, `pending`, `ring`, `lag`, `memory`,
+    `next` ...) or its last word is one (`subscribers`, `active`,
+    `size`, `blocks`, `origins` ...). A `bytes` word moves to the end
+    as the unit: `bytes_in` -> `in_bytes_total`.
     """
     words = field.split("_")
     counter = (
@@ -248,9 +248,9 @@ class _Families:
 
 
 def _transport_records(sink: Sink) -> list[Any]:
-    """A sink's own records beside ``statistics()``: its other ``*_statistics()`` methods.
+    """A sink's own records beside `statistics()`: its other `*_statistics()` methods.
 
-    Such a method (``server_statistics()``, ``zmq_statistics()``) returns one
+    Such a method (`server_statistics()`, `zmq_statistics()`) returns one
     record about the sink's transport. Methods returning a plain tuple of
     records (one per subscriber) are skipped: one label value per peer would
     make the metric set grow without bound.
@@ -280,12 +280,12 @@ def _unique(name: str, seen: dict[str, int]) -> str:
 
 
 class StatisticsCollector:
-    """A prometheus-client collector over kvstream objects' ``statistics()``.
+    """A prometheus-client collector over kvstream objects' `statistics()`.
 
-    Targets are a :class:`~kvstream.Scheduler` (its own counters, each source
-    and each sink), a :class:`~kvstream.Sink` on its own, or any object with a
-    ``statistics()`` method returning a named tuple, a dataclass or a mapping,
-    registered with a ``kind`` (``kvstream_<kind>_<field>``) and labels.
+    Targets are a [`Scheduler`][kvstream.scheduler.Scheduler] (its own counters, each source
+    and each sink), a [`Sink`][kvstream.sinks.base.Sink] on its own, or any object with a
+    `statistics()` method returning a named tuple, a dataclass or a mapping,
+    registered with a `kind` (`kvstream_<kind>_<field>`) and labels.
     """
 
     def __init__(self, *targets: object) -> None:
@@ -296,11 +296,11 @@ class StatisticsCollector:
     def add(
         self, target: object, *, kind: str | None = None, labels: Mapping[str, str] | None = None
     ) -> None:
-        """Report on ``target`` from the next scrape on.
+        """Report on `target` from the next scrape on.
 
-        ``kind`` is required for objects that are neither a scheduler nor a sink
-        (``"subscriber"``, ``"index"``, ...); ``labels`` are added to each of its
-        metrics (default: ``name`` from its ``name`` attribute when it has one).
+        `kind` is required for objects that are neither a scheduler nor a sink
+        (`"subscriber"`, `"index"`, ...); `labels` are added to each of its
+        metrics (default: `name` from its `name` attribute when it has one).
         """
         if not callable(getattr(target, "statistics", None)):
             raise ConfigError(
@@ -321,7 +321,7 @@ class StatisticsCollector:
         self._targets.append((target, kind, extra))
 
     def remove(self, target: object) -> None:
-        """Stop reporting on ``target``."""
+        """Stop reporting on `target`."""
         self._targets = [t for t in self._targets if t[0] is not target]
 
     def describe(self) -> Iterable[Metric]:
@@ -329,7 +329,7 @@ class StatisticsCollector:
         return ()
 
     def collect(self) -> Iterator[Metric]:
-        """Read every target's ``statistics()`` once and yield the metrics."""
+        """Read every target's `statistics()` once and yield the metrics."""
         families = _Families()
         sink_names: dict[str, int] = {}
         source_names: dict[str, int] = {}
@@ -426,10 +426,10 @@ class StatisticsCollector:
 
 
 def parse_address(text: str) -> tuple[str, int]:
-    """``"127.0.0.1:9464"``, ``"[::1]:9464"``, ``":9464"`` or ``"9464"`` -> (host, port).
+    """`"127.0.0.1:9464"`, `"[::1]:9464"`, `":9464"` or `"9464"` -> (host, port).
 
     A missing host is 127.0.0.1: exposing metrics beyond the machine is a choice
-    to make explicitly (``0.0.0.0:9464``).
+    to make explicitly (`0.0.0.0:9464`).
     """
     value = text.strip()
     host, sep, port_text = value.rpartition(":")
@@ -449,13 +449,13 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 class MetricsServer:
-    """Serves ``GET /metrics`` for a collector, on the event loop.
+    """Serves `GET /metrics` for a collector, on the event loop.
 
-    An async context manager; :attr:`port` is the bound port (useful with port
+    An async context manager; `port` is the bound port (useful with port
     0). Each scrape reads the targets' statistics once; OpenMetrics when the
     scraper asks for it. The HTTP layer is kvstream's one server
-    (:class:`~kvstream.wire.http.HttpServer`), with its documented limits
-    (``limits``) and counters (:meth:`server_statistics`).
+    (`HttpServer`), with its documented limits
+    (`limits`) and counters (`server_statistics()`).
     """
 
     def __init__(

@@ -1,11 +1,11 @@
-"""A drop-in for vLLM's ``EventPublisher``, backed by a kvstream pipeline.
+"""A drop-in for vLLM's `EventPublisher`, backed by a kvstream pipeline.
 
 For engines that cannot change their code path: vLLM's scheduler calls
-``publisher.publish(batch)`` once per step from its own thread and
-``publisher.shutdown()`` at exit. :class:`EventPublisher` has that shape. Behind
-it a :class:`~kvstream.scheduler.Scheduler` runs on an event loop in a daemon
-thread (:class:`~kvstream.threadsafe.LoopThread`), so every kvstream sink is
-available, and vLLM's wire is one of them::
+`publisher.publish(batch)` once per step from its own thread and
+`publisher.shutdown()` at exit. `EventPublisher` has that shape. Behind
+it a [`Scheduler`][kvstream.scheduler.Scheduler] runs on an event loop in a daemon
+thread (`LoopThread`), so every kvstream sink is
+available, and vLLM's wire is one of them:
 
     publisher = EventPublisher.from_kv_events_config(
         '{"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}',
@@ -14,29 +14,29 @@ available, and vLLM's wire is one of them::
     publisher.publish(KVEventBatch(ts=time.time(), events=events))   # engine thread
     publisher.shutdown()
 
-It behaves as vLLM's ``ZmqEventPublisher`` does: one ``publish`` is one batch
-with the next ``seq`` (an empty step too, so sequence numbers match vLLM's);
-the batch keeps the caller's ``ts`` and ``data_parallel_rank`` (the
+It behaves as vLLM's `ZmqEventPublisher` does: one `publish` is one batch
+with the next `seq` (an empty step too, so sequence numbers match vLLM's);
+the batch keeps the caller's `ts` and `data_parallel_rank` (the
 publisher's rank, default 0, when the batch has none);
-:meth:`~EventPublisher.get_publisher_config` returns the resolved
-configuration; vLLM's ``KVEventsConfig`` objects, dicts and JSON text are
-accepted; ``inproc://`` endpoints share the process's ZMQ context.
+`get_publisher_config()` returns the resolved
+configuration; vLLM's `KVEventsConfig` objects, dicts and JSON text are
+accepted; `inproc://` endpoints share the process's ZMQ context.
 
-``publish`` costs the engine's thread a list copy and a deque append: the
+`publish` costs the engine's thread a list copy and a deque append: the
 events are converted on the loop. vLLM's own event structs are trusted as
-vLLM builds them (see :func:`from_vllm_event`); anything else goes through
+vLLM builds them (see `from_vllm_event()`); anything else goes through
 kvstream's full validation. An event that fails is dropped, counted
-(``statistics().events_refused``) and logged once per burst; ``publish`` does
+(`statistics().events_refused`) and logged once per burst; `publish` does
 not raise for it, so a bad event never stops the engine.
 
-It never waits, except when ``max_queue_size`` steps are still queued (a full
-sink with policy ``block``, or an engine that outruns the pipeline that long;
-vLLM's ``publish`` waits on its full queue the same way).
+It never waits, except when `max_queue_size` steps are still queued (a full
+sink with policy `block`, or an engine that outruns the pipeline that long;
+vLLM's `publish` waits on its full queue the same way).
 
 **Exit.** The loop runs in a daemon thread, so a process whose code never calls
-``shutdown()`` still exits. Such a publisher is shut down at interpreter exit
+`shutdown()` still exits. Such a publisher is shut down at interpreter exit
 (or when it is garbage collected): what was published is delivered within
-``close_timeout``, as ``shutdown()`` would. vLLM's publisher discards what is
+`close_timeout`, as `shutdown()` would. vLLM's publisher discards what is
 still queued instead.
 """
 
@@ -112,9 +112,9 @@ def to_kvstream_event(event: object) -> KVCacheEvent:
     """A kvstream event from a vLLM-style event object, fully validated.
 
     kvstream events pass through unchanged. Matched by class name
-    (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``) and field names;
-    fields kvstream's events lack (a newer vLLM's ``storage_tier``, ...) travel
-    in ``metadata`` when set. Raises :class:`~kvstream.errors.InvalidEventError`
+    (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`) and field names;
+    fields kvstream's events lack (a newer vLLM's `storage_tier`, ...) travel
+    in `metadata` when set. Raises [`InvalidEventError`][kvstream.errors.InvalidEventError]
     naming the field for anything else or an invalid field.
     """
     if isinstance(event, KVCacheEvent):
@@ -153,10 +153,10 @@ def _plain_str(value: object) -> bool:
 
 
 def _trusted_stored(extras: tuple[str, ...]) -> Callable[[Any], KVCacheEvent]:
-    """The converter for one vLLM ``BlockStored`` class (see :func:`from_vllm_event`).
+    """The converter for one vLLM `BlockStored` class (see `from_vllm_event()`).
 
     Events mostly share a few tails (tier, group, cache spec, LoRA, how many
-    ``extra_keys``): each tail is checked and laid out once in a template
+    `extra_keys`): each tail is checked and laid out once in a template
     event, and each event copies its template and sets its hashes, parent,
     tokens and block size.
     """
@@ -309,18 +309,18 @@ _CONVERTERS: dict[type, Callable[[Any], KVCacheEvent]] = {}
 def from_vllm_event(event: object) -> KVCacheEvent:
     """A kvstream event from one of vLLM's event structs, cheaply where that is safe.
 
-    vLLM's own ``msgspec`` structs (tagged ``BlockStored``, ``BlockRemoved`` or
-    ``AllBlocksCleared``, with vLLM's fields) are trusted as vLLM builds them:
-    each field's type is checked (``block_hashes`` and ``token_ids`` lists,
-    their lengths consistent, ``block_size`` an int, the parent an int or
-    bytes, text fields ASCII ``str``, ...), every hash is checked in C to be an
-    integer in ``[0, 2**64)``, and the first and last token id to be an
-    ``int``; then the event is copied from a template without revalidation.
-    Token ids in between are not looked at one by one (a ``str`` or ``float``
+    vLLM's own `msgspec` structs (tagged `BlockStored`, `BlockRemoved` or
+    `AllBlocksCleared`, with vLLM's fields) are trusted as vLLM builds them:
+    each field's type is checked (`block_hashes` and `token_ids` lists,
+    their lengths consistent, `block_size` an int, the parent an int or
+    bytes, text fields ASCII `str`, ...), every hash is checked in C to be an
+    integer in `[0, 2**64)`, and the first and last token id to be an
+    `int`; then the event is copied from a template without revalidation.
+    Token ids in between are not looked at one by one (a `str` or `float`
     there would cost as much to find as encoding the event does).
-    Every other shape (bytes or signed hashes, ``extra_keys`` with keys,
+    Every other shape (bytes or signed hashes, `extra_keys` with keys,
     non-ASCII text, fields kvstream lacks, set) and every other object goes
-    through :func:`to_kvstream_event`, which checks everything and names the
+    through `to_kvstream_event()`, which checks everything and names the
     bad field.
     """
     cls = type(event)
@@ -336,7 +336,7 @@ _SCALARS: Final = frozenset((str, int, float, bool))
 
 
 def _direct_stored(extras: tuple[str, ...]) -> Callable[[Any], bool]:
-    """Whether a vLLM ``BlockStored`` can go to vLLM's wire as it is (see :class:`VllmWireCodec`).
+    """Whether a vLLM `BlockStored` can go to vLLM's wire as it is (see `VllmWireCodec`).
 
     The type of every field (and of the first and last hash and token id) is
     checked; False sends the event through the conversion, which names the
@@ -442,7 +442,7 @@ _DIRECT: dict[type, Callable[[Any], bool]] = {}
 
 
 class _DirectBatch(msgspec.Struct, array_like=True, gc=False):
-    """vLLM's batch, ``[ts, events, data_parallel_rank]``, with vLLM's own event structs."""
+    """vLLM's batch, `[ts, events, data_parallel_rank]`, with vLLM's own event structs."""
 
     ts: float
     events: list[Any]
@@ -452,8 +452,8 @@ class _DirectBatch(msgspec.Struct, array_like=True, gc=False):
 class VllmWireCodec:
     """The msgpack codec (map profile) of vLLM's wire, taking vLLM's own event structs too.
 
-    Batches of kvstream events are encoded by :class:`~kvstream.codecs.msgpack.MsgpackCodec`;
-    a batch of vLLM's own structs, as :class:`EventPublisher` hands them over on
+    Batches of kvstream events are encoded by `MsgpackCodec`;
+    a batch of vLLM's own structs, as `EventPublisher` hands them over on
     vLLM's wire alone, is encoded as vLLM's publisher encodes it: the structs
     themselves, so the bytes are vLLM's by construction.
     """
@@ -494,9 +494,9 @@ class VllmWireCodec:
 
 
 class _StepConverter:
-    """The loop's side of ``publish``: one step's raw events to what the sinks take, counted.
+    """The loop's side of `publish`: one step's raw events to what the sinks take, counted.
 
-    When every sink is on vLLM's wire (``direct``), a step made of vLLM's own
+    When every sink is on vLLM's wire (`direct`), a step made of vLLM's own
     structs is handed to the sinks as it is; any other step becomes kvstream
     events.
     """
@@ -512,7 +512,7 @@ class _StepConverter:
         self._burst = BurstLog(log)
 
     def go_direct(self, sinks: Sequence[Any]) -> None:
-        """Send vLLM's structs as they are while ``sinks`` (a live list) keeps its length."""
+        """Send vLLM's structs as they are while `sinks` (a live list) keeps its length."""
         self.direct = True
         self._sinks = sinks
         self._sinks_count = len(sinks)
@@ -557,13 +557,13 @@ class _StepConverter:
 
 
 class EventPublisher:
-    """vLLM's ``EventPublisher`` shape (``publish``, ``shutdown``) over kvstream sinks.
+    """vLLM's `EventPublisher` shape (`publish`, `shutdown`) over kvstream sinks.
 
-    ``sinks``: sink objects or URLs (``zmq+tcp://*:5557?replay=tcp://*:5558``,
-    ``file:kv.jsonl``, ...). ``origin`` names the engine (default: the host
-    name); ``data_parallel_rank`` goes on every batch that carries none (vLLM's
-    default, 0). ``max_queue_size`` bounds the steps queued between the engine
-    and the pipeline (vLLM's ``max_queue_size``).
+    `sinks`: sink objects or URLs (`zmq+tcp://*:5557?replay=tcp://*:5558`,
+    `file:kv.jsonl`, ...). `origin` names the engine (default: the host
+    name); `data_parallel_rank` goes on every batch that carries none (vLLM's
+    default, 0). `max_queue_size` bounds the steps queued between the engine
+    and the pipeline (vLLM's `max_queue_size`).
     """
 
     def __init__(
@@ -622,14 +622,14 @@ class EventPublisher:
         sink_options: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> EventPublisher:
-        """A publisher on vLLM's ZMQ wire, configured as vLLM's ``--kv-events-config``.
+        """A publisher on vLLM's ZMQ wire, configured as vLLM's `--kv-events-config`.
 
-        ``config``: JSON text, a mapping, or vLLM's ``KVEventsConfig`` object
+        `config`: JSON text, a mapping, or vLLM's `KVEventsConfig` object
         (anything with its attributes). Endpoints are offset by
-        ``data_parallel_rank`` as vLLM does; ``max_queue_size`` bounds the
-        steps queued; ``sinks`` adds more destinations beside the ZMQ sink;
-        ``sink_options`` go to the :class:`~kvstream.sinks.zmq.ZmqSink`
-        (``bind=True``, ``policy``, ...).
+        `data_parallel_rank` as vLLM does; `max_queue_size` bounds the
+        steps queued; `sinks` adds more destinations beside the ZMQ sink;
+        `sink_options` go to the [`ZmqSink`][kvstream.sinks.zmq.ZmqSink]
+        (`bind=True`, `policy`, ...).
         """
         from kvstream.sinks.zmq import ZmqSink
 
@@ -660,7 +660,7 @@ class EventPublisher:
         topic: str = "",
         **options: Any,
     ) -> EventPublisher:
-        """vLLM's ``ZmqEventPublisher(...)`` arguments, so vLLM's factory can make one::
+        """vLLM's `ZmqEventPublisher(...)` arguments, so vLLM's factory can make one:
 
         EventPublisherFactory.register_publisher("kvstream", EventPublisher.zmq)
         """
@@ -677,12 +677,12 @@ class EventPublisher:
     def publish(self, events: object) -> None:
         """Publish one step's events as one batch (from the engine's thread).
 
-        ``events``: a vLLM ``KVEventBatch`` (anything with ``.events``, and
-        optionally ``.ts`` and ``.data_parallel_rank``), or an iterable of
+        `events`: a vLLM `KVEventBatch` (anything with `.events`, and
+        optionally `.ts` and `.data_parallel_rank`), or an iterable of
         events. An empty step is a batch too. The events are copied (the
         caller may reuse its list) and converted on the loop. Raises
-        :class:`~kvstream.errors.ClosedError` (a ``RuntimeError``, as vLLM
-        raises) after :meth:`shutdown`.
+        [`ClosedError`][kvstream.errors.ClosedError] (a `RuntimeError`, as vLLM
+        raises) after `shutdown()`.
         """
         raw = getattr(events, "events", events)
         raw = raw.copy() if type(raw) is list else _as_list(raw, events)
@@ -700,15 +700,15 @@ class EventPublisher:
     def get_publisher_config(self) -> Any:
         """The resolved configuration (endpoints offset by the rank), as vLLM's publisher gives.
 
-        A vLLM ``KVEventsConfig`` given to :meth:`from_kv_events_config` comes
+        A vLLM `KVEventsConfig` given to `from_kv_events_config()` comes
         back as a copy of that object with the resolved endpoints; otherwise a
-        :class:`~kvstream.wire.vllm_zmq.KVEventsConfig`. None for a publisher
+        `KVEventsConfig`. None for a publisher
         built from sinks.
         """
         return self._config
 
     def shutdown(self) -> None:
-        """Deliver what is pending (within ``close_timeout``), close the sinks, stop the loop.
+        """Deliver what is pending (within `close_timeout`), close the sinks, stop the loop.
 
         Idempotent.
         """
@@ -753,7 +753,7 @@ _CONFIG_KEYS: Final = tuple(f.name for f in dataclasses.fields(KVEventsConfig))
 
 
 def _parse_config(config: object) -> KVEventsConfig:
-    """vLLM's ``--kv-events-config`` as JSON text, a mapping or vLLM's config object."""
+    """vLLM's `--kv-events-config` as JSON text, a mapping or vLLM's config object."""
     if isinstance(config, KVEventsConfig):
         return config
     if isinstance(config, str | Mapping):

@@ -1,6 +1,6 @@
 """Carry subscribers' streams into a scheduler: one scheduler origin per upstream origin.
 
-A :class:`Relay` reads any :class:`~kvstream.consumers.base.Subscriber` (ZMQ
+A `Relay` reads any [`Subscriber`][kvstream.consumers.base.Subscriber] (ZMQ
 ingest of vLLM/SGLang/TensorRT-LLM publishers, a kvstream file or socket, a
 broker) and feeds each upstream origin's events to the scheduler as a source
 of that origin, so the scheduler numbers and batches them per origin and fans
@@ -9,30 +9,30 @@ the origin its subscriber names, a kvstream-format upstream carrying several
 origins keeps each of them.
 
 * An upstream **restart** (a new epoch of an origin) becomes an
-  ``AllBlocksCleared`` in that origin's stream: the relay's own epoch goes on,
+  `AllBlocksCleared` in that origin's stream: the relay's own epoch goes on,
   so this is how its consumers learn that everything the origin held is gone.
 * An upstream **gap** its subscriber could not repair is counted, logged, and
   kept visible in the output: the relay renumbers each origin contiguously
-  (its sinks carry the relay's own ``(origin, epoch, seq)``), so a gap cannot
-  show as a missing seq there. Instead, with ``on_gap="clear"`` (the default),
-  the origin's stream gets an ``AllBlocksCleared`` whose ``metadata`` holds
-  ``{"upstream_gap": {"epoch", "first_missing", "next_seq", "missing",
-  "reason"}}``: what the origin held is unknown after lost events (a missed
-  ``BlockRemoved`` would leave a router sending requests to blocks that are
+  (its sinks carry the relay's own `(origin, epoch, seq)`), so a gap cannot
+  show as a missing seq there. Instead, with `on_gap="clear"` (the default),
+  the origin's stream gets an `AllBlocksCleared` whose `metadata` holds
+  `{"upstream_gap": {"epoch", "first_missing", "next_seq", "missing",
+  "reason"}}`: what the origin held is unknown after lost events (a missed
+  `BlockRemoved` would leave a router sending requests to blocks that are
   gone), so consumers drop it and rebuild from what follows, and the marker
   says why. kvstream-format sinks carry the metadata; on the vLLM wire strict
-  readers see the ``AllBlocksCleared`` alone. ``on_gap="count"`` only counts
-  and logs (the :class:`RelayStatistics` ``gaps``/``missing``, the summary
+  readers see the `AllBlocksCleared` alone. `on_gap="count"` only counts
+  and logs (the `RelayStatistics` `gaps`/`missing`, the summary
   line, the metrics).
 * Two upstreams claiming one origin would mix two sequences: the second one's
   batches are refused, counted and logged.
-* :meth:`Relay.stop` is graceful where the subscriber allows it: a ZMQ
+* `Relay.stop()` is graceful where the subscriber allows it: a ZMQ
   subscriber delivers what has arrived and lets a replay in flight finish
   (within a grace period) before the relay returns.
 
 Each origin's events pass through a bounded channel to the scheduler's source
 for that origin (backpressure reaches the subscriber, never memory). On
-:meth:`Relay.stop` the readers stop, the channels are drained into the
+`Relay.stop()` the readers stop, the channels are drained into the
 scheduler, and the caller closes the scheduler to deliver what is pending.
 """
 
@@ -81,7 +81,7 @@ class RelayStatistics(NamedTuple):
     origins: tuple[str, ...]
     #: Upstreams whose subscriber failed (by name).
     failed: tuple[str, ...]
-    #: Upstream gaps marked in the output (``on_gap="clear"``).
+    #: Upstream gaps marked in the output (`on_gap="clear"`).
     gaps_marked: int = 0
     #: Events the subscribers' decoders refused (no dialect reads them); the rest of
     #: their batches was carried.
@@ -110,7 +110,7 @@ async def _drain(
 ) -> AsyncIterator[list[KVCacheEvent]]:
     """The scheduler source of one origin: what the relay's reader hands over.
 
-    ``drained`` is set once the channel is closed and everything in it was
+    `drained` is set once the channel is closed and everything in it was
     yielded (so accepted by the scheduler), or the source was stopped.
     """
     try:
@@ -122,16 +122,15 @@ async def _drain(
 
 
 class Relay:
-    """Feeds ``subscribers`` into ``scheduler``; see the module doc.
+    """Feeds `subscribers` into `scheduler`; see the module doc.
 
-    ::
 
         async with Scheduler(sinks=sinks, tick_interval=0.05) as scheduler:
             relay = Relay(scheduler, [open_subscriber(url) for url in urls])
             await relay.run()           # until the subscribers end or stop()
             await scheduler.aclose()
 
-    The subscribers must be open (entered) while :meth:`run` runs.
+    The subscribers must be open (entered) while `run()` runs.
     """
 
     def __init__(
@@ -180,7 +179,7 @@ class Relay:
         self._failed: list[str] = []
 
     async def run(self) -> None:
-        """Carry every subscriber until all have ended or :meth:`stop` is called.
+        """Carry every subscriber until all have ended or `stop()` is called.
 
         On return every event the readers took is in the scheduler (accepted).
         """
@@ -202,11 +201,11 @@ class Relay:
                 await self._close_feeds()
 
     def stop(self, grace: float = STOP_GRACE) -> None:
-        """Stop reading; :meth:`run` then hands what it took to the scheduler and returns.
+        """Stop reading; `run()` then hands what it took to the scheduler and returns.
 
-        Subscribers that can stop gracefully (a ``stop(grace)`` method, as the
+        Subscribers that can stop gracefully (a `stop(grace)` method, as the
         ZMQ subscriber has) deliver what has already arrived and finish replays
-        in flight for up to ``grace`` seconds; the others stop at once.
+        in flight for up to `grace` seconds; the others stop at once.
         """
         if self._stopping:
             return
@@ -386,7 +385,7 @@ def _refused_by(sub: Subscriber) -> int:
 
 
 def gap_marker(gap: Gap) -> AllBlocksCleared:
-    """The ``AllBlocksCleared`` that stands for an upstream gap in the relay's output."""
+    """The `AllBlocksCleared` that stands for an upstream gap in the relay's output."""
     return AllBlocksCleared(
         metadata={
             "upstream_gap": {

@@ -1,18 +1,18 @@
 """The scheduler: inputs in, one numbered batch per origin per tick, out to the sinks.
 
-``tick()`` is on the host's hot path. It drains the synchronous inputs (the
-host's ``emit`` buffer first, then the polled connectors and async sources of
+`tick()` is on the host's hot path. It drains the synchronous inputs (the
+host's `emit` buffer first, then the polled connectors and async sources of
 each origin in the order they were added), swaps buffers, seals one
-:class:`~kvstream.events.EventBatch` per origin with pending events, and offers
+[`EventBatch`][kvstream.events.EventBatch] per origin with pending events, and offers
 each batch to every sink. Handing a batch over encodes it, once per codec
-(the scheduler's :class:`~kvstream.sinks.encoding.EncodingGroup` shares the
+(the scheduler's `EncodingGroup` shares the
 bytes between sinks with equal codecs), and a sink whose transport has room
-writes it at once (``Sink.send_nowait``); the others queue it for their writer
+writes it at once (`Sink.send_nowait`); the others queue it for their writer
 task. The tick does no other I/O and awaits only when a sink whose policy is
-``block`` is full.
+`block` is full.
 
 A tick cancelled while it waits never loses a batch it sealed: the batch stays
-in the dispatch backlog, in order, and the next tick (or ``aclose``) hands it on;
+in the dispatch backlog, in order, and the next tick (or `aclose`) hands it on;
 a sink that is closed before it gets a batch counts that batch as dropped.
 
 Everything with a lifetime runs in the scheduler's task group: the aiostream
@@ -54,7 +54,7 @@ log = logging.getLogger("kvstream.scheduler")
 
 
 def every(interval: float) -> AsyncIterator[None]:
-    """A ticker: yields every ``interval`` seconds, without drift."""
+    """A ticker: yields every `interval` seconds, without drift."""
     if not interval > 0:  # checked now, not when the ticker task first iterates
         raise ConfigError(f"tick interval: expected seconds > 0, got {interval!r}")
     return _every(interval)
@@ -87,7 +87,7 @@ class SchedulerStatistics(NamedTuple):
 
 
 class CloseReport(NamedTuple):
-    """What ``aclose`` could not deliver, per sink."""
+    """What `aclose` could not deliver, per sink."""
 
     sinks: tuple[DeliveryReport, ...]
     failed_sources: tuple[str, ...]
@@ -116,17 +116,16 @@ class _Origin:
 class Scheduler:
     """Merges an engine's event inputs into numbered batches and feeds the sinks.
 
-    ::
 
         async with Scheduler(sinks=[FileSink("events.jsonl")]) as s:
             s.add_source(offload_connector_events())
             s.emit(BlockStored(...))        # from the engine's step, no await
             batch = await s.tick()          # one batch per step
 
-    ``origin`` names the engine (default: the host name) and ``epoch`` is drawn
-    at random unless given, so ``(origin, epoch, seq)`` names every batch for
-    ever. Pass ``tick_interval`` (seconds) or any async iterable as ``ticker``
-    for hosts without a step loop; ``clock`` gives batch timestamps.
+    `origin` names the engine (default: the host name) and `epoch` is drawn
+    at random unless given, so `(origin, epoch, seq)` names every batch for
+    ever. Pass `tick_interval` (seconds) or any async iterable as `ticker`
+    for hosts without a step loop; `clock` gives batch timestamps.
     """
 
     def __init__(
@@ -183,7 +182,7 @@ class Scheduler:
         # Dispatch: batches whose offer to some block sink is still pending.
         self._backlog: deque[list[Any]] = deque()  # [batch, next sink index, ticket]
         self._dispatching = False
-        #: Set when closing: full ``block`` outboxes take the last batches past
+        #: Set when closing: full `block` outboxes take the last batches past
         #: their bounds (their drain delivers or reports them) instead of waiting.
         self._flushing = False
         self._put_scope: anyio.CancelScope | None = None
@@ -263,8 +262,8 @@ class Scheduler:
         """Seal what is pending, deliver it to every healthy sink, close everything.
 
         Sources are stopped (what they yielded stays accepted), a last tick seals
-        every pending event, and each sink gets until the deadline (``timeout``
-        seconds, default :attr:`close_timeout`) to deliver its outbox. Returns,
+        every pending event, and each sink gets until the deadline (`timeout`
+        seconds, default `close_timeout`) to deliver its outbox. Returns,
         and logs, what could not be delivered. Idempotent.
         """
         if self._close_report is not None:
@@ -350,7 +349,7 @@ class Scheduler:
             done.set()
 
     def _task_scope(self) -> anyio.CancelScope:
-        """A cancel scope for one background task, cancelled by :meth:`aclose`."""
+        """A cancel scope for one background task, cancelled by `aclose()`."""
         scope = anyio.CancelScope()
         if self._stopped:
             scope.cancel()
@@ -405,9 +404,9 @@ class Scheduler:
     ) -> SourceHandle:
         """Add an input; works before and while running.
 
-        ``source`` is an async iterable of events or chunks of events, or a
-        connector adapted with :func:`~kvstream.sources.from_take_events` (an
-        object with ``take_events()`` is adapted for you). ``origin`` names
+        `source` is an async iterable of events or chunks of events, or a
+        connector adapted with [`from_take_events()`][kvstream.sources.base.from_take_events] (an
+        object with `take_events()` is adapted for you). `origin` names
         another engine whose events this input carries (a relay); by default the
         input is one of this engine's connectors.
         """
@@ -529,12 +528,12 @@ class Scheduler:
         return own if own.origin == self.origin else None
 
     def call_at_barrier(self, callback: Callable[[str, str, int], None]) -> None:
-        """Call ``callback(origin, epoch, next_seq)`` once, inside the next tick.
+        """Call `callback(origin, epoch, next_seq)` once, inside the next tick.
 
         It runs right after that tick seals, before anything else can run: the
         events the host reported so far are exactly this origin's batches
-        ``< next_seq``, so a snapshot of the host's state taken in the callback
-        precedes ``next_seq``. Keep callbacks short: they run on the host's tick.
+        `< next_seq`, so a snapshot of the host's state taken in the callback
+        precedes `next_seq`. Keep callbacks short: they run on the host's tick.
         """
         self._at_barrier.append(callback)
 
@@ -587,11 +586,11 @@ class Scheduler:
                 self._origins[h.origin].inputs.remove(h)
 
     def _dispatch_now(self, batches: list[EventBatch]) -> bool:
-        """Hand ``batches`` to every sink without waiting, if nothing is queued ahead.
+        """Hand `batches` to every sink without waiting, if nothing is queued ahead.
 
-        Returns False when some ``block`` sink is full (or batches of an earlier
+        Returns False when some `block` sink is full (or batches of an earlier
         tick still wait): what was not handed over is then in the backlog, and
-        the caller awaits :meth:`_wait_dispatched`.
+        the caller awaits `_wait_dispatched()`.
         """
         if self._backlog or self._dispatching:
             self._enqueue(batches, 0)
@@ -616,9 +615,9 @@ class Scheduler:
             self._backlog.append([batch, first_sink if k == 0 else 0, self._tickets])
 
     async def _wait_dispatched(self, ticket: int) -> None:
-        """Return once every batch up to ``ticket`` reached every sink, in order.
+        """Return once every batch up to `ticket` reached every sink, in order.
 
-        One caller at a time works through the backlog (a full ``block`` sink is
+        One caller at a time works through the backlog (a full `block` sink is
         the only thing it waits for); the others wait for its progress. If the
         worker is cancelled, its place in the backlog is kept and the next caller
         takes over, so no sink gets a batch twice or out of order.
@@ -691,11 +690,11 @@ class Scheduler:
     # -- the thread entry (ThreadsafeHandle: run_in_thread, EventPublisher) ------------------
 
     def threadsafe(self, **options: Any) -> ThreadsafeHandle:
-        """A handle other threads use to ``emit`` and ``tick``; call it on the loop.
+        """A handle other threads use to `emit` and `tick`; call it on the loop.
 
         The scheduler must be running: the handle's entries are worked through
-        by a task in its task group, and ``aclose`` works through what is still
-        queued before its last tick. ``options`` go to :class:`ThreadsafeHandle`.
+        by a task in its task group, and `aclose` works through what is still
+        queued before its last tick. `options` go to `ThreadsafeHandle`.
         """
         if self._tg is None or self._closed:
             raise ClosedError(
@@ -724,10 +723,10 @@ class Scheduler:
     ) -> EventBatch | None:
         """A tick for a step handed over from a thread.
 
-        ``events`` (a publisher's step) join this origin's pending events and
+        `events` (a publisher's step) join this origin's pending events and
         this origin seals a batch even when it is empty (one step, one seq, as
-        vLLM numbers them), stamped with ``ts``/``rank`` when given. With
-        ``events`` None it is a plain tick.
+        vLLM numbers them), stamped with `ts`/`rank` when given. With
+        `events` None it is a plain tick.
         """
         self._ticks += 1
         batches = self._seal() if events is None or self._seal_needed() else []

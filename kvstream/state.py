@@ -1,50 +1,50 @@
 """What an origin holds, kept from its batches, and the snapshot that re-announces it.
 
-:class:`StateKeeper` is pure and sans-IO: feed it an origin's batches in stream
-order (:meth:`StateKeeper.apply`) and it keeps, per origin and tier, every block
+`StateKeeper` is pure and sans-IO: feed it an origin's batches in stream
+order (`StateKeeper.apply()`) and it keeps, per origin and tier, every block
 held with what re-announcing it needs (parent, tokens, block size, LoRA, extra
-keys, group, KV-cache spec, locality). :meth:`StateKeeper.snapshot` turns that
-into a :class:`Snapshot`: ``AllBlocksCleared`` then ``BlockStored`` events,
-parents before children, tagged ``(origin, epoch, resume_seq)``. Applied in
-place of batches ``0 .. resume_seq - 1`` of the epoch and followed by the stream
-from ``resume_seq``, it leaves a consumer in the state the whole stream would.
+keys, group, KV-cache spec, locality). `StateKeeper.snapshot()` turns that
+into a `Snapshot`: `AllBlocksCleared` then `BlockStored` events,
+parents before children, tagged `(origin, epoch, resume_seq)`. Applied in
+place of batches `0 .. resume_seq - 1` of the epoch and followed by the stream
+from `resume_seq`, it leaves a consumer in the state the whole stream would.
 
 The rules, per origin:
 
-* **Tiers** are ``medium`` values taken as they are (``None`` is a tier of its
-  own: a stream that names no medium names none consistently). ``group_idx``
-  and ``locality`` are kept with each block and re-announced, not part of the
+* **Tiers** are `medium` values taken as they are (`None` is a tier of its
+  own: a stream that names no medium names none consistently). `group_idx`
+  and `locality` are kept with each block and re-announced, not part of the
   tier's key.
-* ``BlockStored`` holds each block in its tier; block ``i`` of an event has
-  the block before it as parent, the first has ``parent_block_hash``. Storing a
+* `BlockStored` holds each block in its tier; block `i` of an event has
+  the block before it as parent, the first has `parent_block_hash`. Storing a
   hash the tier already holds replaces what is known of it, except that a
-  **placeholder** (``block_size`` 0, no tokens: vLLM's form for connectors
+  **placeholder** (`block_size` 0, no tokens: vLLM's form for connectors
   that do not know them) never replaces a block held with its tokens; it says
   less, and the block is the same. A placeholder of a new block is held and
   re-announced as a placeholder.
-* ``BlockRemoved`` of a hash the tier does not hold is ignored and counted
-  (:attr:`KeeperStatistics.unknown_removals`); vLLM's GPU pool may report
+* `BlockRemoved` of a hash the tier does not hold is ignored and counted
+  (`KeeperStatistics.unknown_removals`); vLLM's GPU pool may report
   removals of blocks stored before a consumer started, and connectors may
   report removals twice.
-* ``AllBlocksCleared`` empties every tier of the origin.
+* `AllBlocksCleared` empties every tier of the origin.
 * **Batches**: a new epoch starts empty (the producer restarted). A repeat
-  (``seq`` below the next one) is ignored. A batch after a jump in ``seq``, or
-  the first batch seen of an epoch when it is not ``seq 0``, is applied, but
+  (`seq` below the next one) is ignored. A batch after a jump in `seq`, or
+  the first batch seen of an epoch when it is not `seq 0`, is applied, but
   the state is then **unknown** (what the missing batches did is not known):
   the origin's blocks are dropped, its stores and removals are ignored, and
-  :meth:`StateKeeper.snapshot` refuses with :class:`StateError`, until an
-  ``AllBlocksCleared`` or a new epoch makes it known again. A snapshot never
+  `StateKeeper.snapshot()` refuses with `StateError`, until an
+  `AllBlocksCleared` or a new epoch makes it known again. A snapshot never
   hides a gap a stream reader would see.
-* **Bounded**: the keeper estimates the bytes it holds (``max_bytes``, over
+* **Bounded**: the keeper estimates the bytes it holds (`max_bytes`, over
   all origins). A store that would pass the bound raises
-  :class:`StateLimitError`; that origin's blocks are dropped and its state is
+  `StateLimitError`; that origin's blocks are dropped and its state is
   unknown until its next clear or epoch, so the keeper's memory stays bounded
   and the producer's pipeline goes on.
-* ``metadata`` is not kept: it describes an event, not a block.
+* `metadata` is not kept: it describes an event, not a block.
 
-A :class:`SnapshotBatch`-like batch (any batch whose class sets
-``is_snapshot``) replaces the origin's state and sets its position to the
-snapshot's ``seq + 1``, so a consumer can keep its state with the same keeper.
+A `SnapshotBatch`-like batch (any batch whose class sets
+`is_snapshot`) replaces the origin's state and sets its position to the
+snapshot's `seq + 1`, so a consumer can keep its state with the same keeper.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ __all__ = [
 
 #: The keeper's default bound: 1 GiB of estimated state, over all origins.
 DEFAULT_MAX_BYTES: Final = 1 << 30
-#: At most this many blocks in one ``BlockStored`` of a snapshot.
+#: At most this many blocks in one `BlockStored` of a snapshot.
 SNAPSHOT_EVENT_BLOCKS: Final = 256
 
 # What one held block costs beyond its tokens: the tier's dict slot, the record,
@@ -96,11 +96,11 @@ class StateError(KVStreamError):
 
 
 class StateLimitError(StateError):
-    """Storing more would pass the keeper's ``max_bytes``; the origin's state is dropped."""
+    """Storing more would pass the keeper's `max_bytes`; the origin's state is dropped."""
 
 
 class BlockShape(msgspec.Struct, frozen=True, gc=False):
-    """What the blocks of one ``BlockStored`` share (one object for all of them)."""
+    """What the blocks of one `BlockStored` share (one object for all of them)."""
 
     block_size: int
     lora_id: int | None
@@ -114,34 +114,34 @@ class BlockShape(msgspec.Struct, frozen=True, gc=False):
 class HeldBlock(msgspec.Struct, frozen=True, gc=False):
     """One block a tier holds: enough to announce it again.
 
-    Not tracked by the garbage collector (``gc=False``: it holds no cycles), so a
+    Not tracked by the garbage collector (`gc=False`: it holds no cycles), so a
     keeper of millions of blocks costs a full collection nothing.
     """
 
     parent: BlockHash | None
-    #: ``block_size`` token ids, or None for a placeholder (block size 0).
+    #: `block_size` token ids, or None for a placeholder (block size 0).
     tokens: array[int] | None
     extra_keys: list[Any] | None
     shape: BlockShape
 
 
 class Snapshot(NamedTuple):
-    """An origin's state standing in for batches ``0 .. resume_seq - 1`` of ``epoch``."""
+    """An origin's state standing in for batches `0 .. resume_seq - 1` of `epoch`."""
 
     origin: str
     epoch: str
     #: The seq of the first batch the snapshot does not include.
     resume_seq: int
     data_parallel_rank: int | None
-    #: The ``ts`` of the last batch included.
+    #: The `ts` of the last batch included.
     ts: float
-    #: ``AllBlocksCleared``, then ``BlockStored`` events, parents first.
+    #: `AllBlocksCleared`, then `BlockStored` events, parents first.
     events: list[KVCacheEvent]
     #: Blocks announced, over all tiers.
     blocks: int
 
     def to_batch(self) -> EventBatch:
-        """The snapshot as the batch ``resume_seq - 1`` (what a codec encodes)."""
+        """The snapshot as the batch `resume_seq - 1` (what a codec encodes)."""
         if self.resume_seq < 1:
             raise StateError(f"{self.origin}: a snapshot of no batch cannot be a batch")
         return EventBatch(
@@ -157,7 +157,7 @@ class Snapshot(NamedTuple):
 class KeeperStatistics(NamedTuple):
     origins: int
     blocks: int
-    #: Estimated bytes held (the quantity ``max_bytes`` bounds).
+    #: Estimated bytes held (the quantity `max_bytes` bounds).
     bytes: int
     max_bytes: int
     unknown_removals: int
@@ -224,17 +224,17 @@ class StateKeeper:
         return list(self._origins)
 
     def position(self, origin: str) -> tuple[str, int] | None:
-        """``(epoch, next seq)`` of ``origin``, or None if never seen."""
+        """`(epoch, next seq)` of `origin`, or None if never seen."""
         o = self._origins.get(origin)
         return None if o is None else (o.epoch, o.next_seq)
 
     def known(self, origin: str) -> bool:
-        """True when ``origin`` has been seen and its state is known (it can be snapshot)."""
+        """True when `origin` has been seen and its state is known (it can be snapshot)."""
         o = self._origins.get(origin)
         return o is not None and o.unknown is None
 
     def held(self, origin: str) -> dict[str | None, dict[BlockHash, HeldBlock]]:
-        """``{medium: {hash: block}}`` of ``origin`` (empty tiers left out), a copy."""
+        """`{medium: {hash: block}}` of `origin` (empty tiers left out), a copy."""
         o = self._origins.get(origin)
         if o is None:
             return {}
@@ -258,7 +258,7 @@ class StateKeeper:
     # -- applying batches ------------------------------------------------------------------
 
     def forget(self, origin: str) -> None:
-        """Drop everything known of ``origin`` (it expired)."""
+        """Drop everything known of `origin` (it expired)."""
         o = self._origins.pop(origin, None)
         if o is not None:
             self._bytes -= o.bytes
@@ -270,7 +270,7 @@ class StateKeeper:
     def apply(self, batch: EventBatch) -> None:
         """Apply one batch of its origin (see the module doc for repeats, gaps, epochs).
 
-        Raises :class:`StateLimitError` when a store passes ``max_bytes``; the
+        Raises `StateLimitError` when a store passes `max_bytes`; the
         batch's position is still taken, so the next batch applies normally.
         """
         o = self._origins.get(batch.origin)
@@ -372,14 +372,14 @@ class StateKeeper:
     # -- snapshots ---------------------------------------------------------------------
 
     def snapshot(self, origin: str) -> Snapshot:
-        """``origin``'s state as of the last batch applied; :class:`StateError` if unknown."""
+        """`origin`'s state as of the last batch applied; `StateError` if unknown."""
         head = self.snapshot_header(origin)
         return head._replace(events=list(self.snapshot_events(origin)))
 
     def snapshot_header(self, origin: str) -> Snapshot:
-        """:meth:`snapshot` without its events (``events`` is empty; ``blocks`` is right).
+        """`snapshot()` without its events (`events` is empty; `blocks` is right).
 
-        With :meth:`snapshot_events`, a caller can encode a large snapshot a slice at
+        With `snapshot_events()`, a caller can encode a large snapshot a slice at
         a time without holding all its events at once; the keeper must not be
         given batches until the events are all taken.
         """
@@ -392,7 +392,7 @@ class StateKeeper:
         return Snapshot(origin, o.epoch, o.next_seq, o.rank, o.ts, [], blocks)
 
     def snapshot_events(self, origin: str) -> Iterator[KVCacheEvent]:
-        """The events of ``origin``'s snapshot, one at a time (see :meth:`snapshot_header`)."""
+        """The events of `origin`'s snapshot, one at a time (see `snapshot_header()`)."""
         o = self._origins.get(origin)
         if o is None or o.unknown is not None:
             self.snapshot_header(origin)  # raises the reason
@@ -404,7 +404,7 @@ class StateKeeper:
 
 
 def _parent_order(tier: dict[BlockHash, HeldBlock]) -> Iterator[BlockHash]:
-    """Every hash of ``tier`` once, each after its parent when the tier holds the parent."""
+    """Every hash of `tier` once, each after its parent when the tier holds the parent."""
     done: set[BlockHash] = set()
     add = done.add
     for h, block in tier.items():
@@ -431,7 +431,7 @@ def _parent_order(tier: dict[BlockHash, HeldBlock]) -> Iterator[BlockHash]:
 
 
 def _runs(tier: dict[BlockHash, HeldBlock]) -> Iterator[list[BlockHash]]:
-    """The hashes in parent order, cut into chains one ``BlockStored`` can carry."""
+    """The hashes in parent order, cut into chains one `BlockStored` can carry."""
     run: list[BlockHash] = []
     last: HeldBlock | None = None
     limit = SNAPSHOT_EVENT_BLOCKS
@@ -485,10 +485,10 @@ def _stored(
 
 
 class SnapshotSchedule:
-    """When a sink should publish an origin's snapshot: every ``every`` batches or
-    ``interval`` seconds (whichever comes first, checked as batches are delivered),
+    """When a sink should publish an origin's snapshot: every `every` batches or
+    `interval` seconds (whichever comes first, checked as batches are delivered),
     and at once after the first batch of each epoch, so every origin a reader can
-    meet has a snapshot from its start. Sans-IO: ``clock`` is injected.
+    meet has a snapshot from its start. Sans-IO: `clock` is injected.
     """
 
     __slots__ = ("_clock", "_last", "every", "interval")
@@ -511,7 +511,7 @@ class SnapshotSchedule:
         self._last: dict[str, tuple[str, int, float]] = {}
 
     def due(self, batch: EventBatch) -> bool:
-        """Count ``batch`` (just delivered); True when its origin's snapshot is due."""
+        """Count `batch` (just delivered); True when its origin's snapshot is due."""
         last = self._last.get(batch.origin)
         if last is None or last[0] != batch.epoch:
             return True
@@ -523,5 +523,5 @@ class SnapshotSchedule:
         return self.interval is not None and self._clock() - when >= self.interval
 
     def taken(self, origin: str, epoch: str) -> None:
-        """The snapshot of ``origin`` was published."""
+        """The snapshot of `origin` was published."""
         self._last[origin] = (epoch, 0, self._clock())

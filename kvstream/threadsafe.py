@@ -1,21 +1,21 @@
 """Reaching a scheduler from a synchronous engine running in another thread.
 
-vLLM's scheduler runs in a thread of its own. :class:`ThreadsafeHandle` is the
+vLLM's scheduler runs in a thread of its own. `ThreadsafeHandle` is the
 one bridge from such a thread to a scheduler whose event loop runs elsewhere;
-:func:`run_in_thread` and :class:`~kvstream.publisher.EventPublisher` both use
-it, over :class:`LoopThread` (a scheduler on an event loop in a daemon thread).
+`run_in_thread()` and `EventPublisher` both use
+it, over `LoopThread` (a scheduler on an event loop in a daemon thread).
 
 The hand-off costs the engine's thread about what appending to a deque costs:
-every call (``emit``, ``tick``, a publisher's step) appends one entry to a
+every call (`emit`, `tick`, a publisher's step) appends one entry to a
 deque under a lock, and wakes the loop only when the loop side is parked (one
-``call_soon_threadsafe`` per idle-to-busy transition, not one per step). One
-task on the loop works through the deque in order: an ``emit`` entry joins the
-scheduler's pending events, a ``tick`` entry seals, so each thread-side tick
+`call_soon_threadsafe` per idle-to-busy transition, not one per step). One
+task on the loop works through the deque in order: an `emit` entry joins the
+scheduler's pending events, a `tick` entry seals, so each thread-side tick
 seals exactly the events its thread emitted before it, one batch per step
 however fast the engine goes.
 
-The engine's thread waits only when ``max_pending`` steps are still queued,
-which happens when a sink with policy ``block`` is full, or when the engine
+The engine's thread waits only when `max_pending` steps are still queued,
+which happens when a sink with policy `block` is full, or when the engine
 outruns the loop for that long (vLLM's publisher waits on its full queue the
 same way): that is backpressure, and nothing else ever blocks the engine.
 """
@@ -63,9 +63,9 @@ def _no_conversion(events: list[Any]) -> list[KVCacheEvent]:
 
 
 class ThreadsafeHandle:
-    """``emit`` and ``tick`` from any thread into a scheduler on its loop.
+    """`emit` and `tick` from any thread into a scheduler on its loop.
 
-    Create it on the loop's thread with :meth:`Scheduler.threadsafe` (the
+    Create it on the loop's thread with `Scheduler.threadsafe()` (the
     scheduler must be running). Entries from several threads are taken in the
     order they were handed over; each thread's own order is kept.
     """
@@ -107,9 +107,9 @@ class ThreadsafeHandle:
     def emit(self, events: KVCacheEvent | Sequence[KVCacheEvent]) -> None:
         """Hand events to the scheduler; returns at once.
 
-        Events emitted before :meth:`tick` (in the same thread) are in that
+        Events emitted before `tick()` (in the same thread) are in that
         tick's batch. The handle copies the list: the caller may reuse it.
-        Raises :class:`~kvstream.errors.ClosedError` once the handle is closed.
+        Raises [`ClosedError`][kvstream.errors.ClosedError] once the handle is closed.
         """
         checked = check_events(events, "emit")
         self._hand_over((_EMIT, list(checked) if checked is events else checked), False)
@@ -126,12 +126,12 @@ class ThreadsafeHandle:
     def step(
         self, events: list[Any], ts: float | None = None, data_parallel_rank: int | None = None
     ) -> None:
-        """One engine step: ``events`` become exactly one batch, even when empty.
+        """One engine step: `events` become exactly one batch, even when empty.
 
-        ``ts`` and ``data_parallel_rank`` stamp it (None: the scheduler's clock
+        `ts` and `data_parallel_rank` stamp it (None: the scheduler's clock
         and rank). The list is kept as given (copy it if you reuse it); the
         handle's converter checks it on the loop. This is what
-        :meth:`EventPublisher.publish <kvstream.publisher.EventPublisher.publish>` calls.
+        [`EventPublisher.publish()`][kvstream.publisher.EventPublisher.publish] calls.
         """
         self._hand_over((_STEP, events, ts, data_parallel_rank), True)
 
@@ -164,7 +164,7 @@ class ThreadsafeHandle:
             waiter.set_result(None)
 
     def _wait_for_room(self) -> None:
-        """Backpressure: wait while ``max_pending`` steps are queued (a full ``block`` sink)."""
+        """Backpressure: wait while `max_pending` steps are queued (a full `block` sink)."""
         while self._pushed - self._taken >= self._max_pending and not self._closed:
             self._room.clear()
             self._room_wanted = True
@@ -177,7 +177,7 @@ class ThreadsafeHandle:
         """Wait until everything handed over so far has been worked through.
 
         Every tick and step before this call has then offered its batch to
-        every sink. Raises :class:`TimeoutError` after ``timeout`` seconds.
+        every sink. Raises `TimeoutError` after `timeout` seconds.
         """
         if threading.get_ident() == self._loop_thread_id():
             raise ClosedError("flush: called on the loop's own thread, it would never return")
@@ -291,7 +291,7 @@ class ThreadsafeHandle:
                 )
 
     async def _close_and_drain(self) -> None:
-        """For the scheduler's ``aclose``: take nothing more, work through what is queued."""
+        """For the scheduler's `aclose`: take nothing more, work through what is queued."""
         self.close()
         await self._done.wait()
 
@@ -299,11 +299,11 @@ class ThreadsafeHandle:
 class LoopThread:
     """A scheduler running on an asyncio event loop in a daemon thread of its own.
 
-    The thread is a daemon, so a process whose owner never calls :meth:`close`
-    still exits; :class:`~kvstream.publisher.EventPublisher` closes its loop
-    thread at interpreter exit (see its docs). ``handle`` is the
-    :class:`ThreadsafeHandle` engines use; ``close()`` flushes it, closes the
-    scheduler (delivering what is pending within its ``close_timeout``) and
+    The thread is a daemon, so a process whose owner never calls `close()`
+    still exits; [`EventPublisher`][kvstream.publisher.EventPublisher] closes its loop
+    thread at interpreter exit (see its docs). `handle` is the
+    `ThreadsafeHandle` engines use; `close()` flushes it, closes the
+    scheduler (delivering what is pending within its `close_timeout`) and
     joins the thread.
     """
 
@@ -368,7 +368,7 @@ class LoopThread:
     def close(self, timeout: float | None = None) -> None:
         """Work through what was handed over, close the scheduler, end the thread. Idempotent.
 
-        Waits at most the scheduler's ``close_timeout`` plus ``timeout`` (default 5 s)
+        Waits at most the scheduler's `close_timeout` plus `timeout` (default 5 s)
         for the thread; the thread is a daemon, so it never keeps the process alive.
         """
         with self._close_lock:
@@ -389,7 +389,7 @@ class LoopThread:
 
 @contextlib.contextmanager
 def run_in_thread(scheduler: Scheduler) -> Iterator[ThreadsafeHandle]:
-    """Run ``scheduler`` on an event loop in a new (daemon) thread, for synchronous engines::
+    """Run `scheduler` on an event loop in a new (daemon) thread, for synchronous engines:
 
         with run_in_thread(Scheduler(sinks=[FileSink("kv.jsonl")])) as kv:
             kv.emit(events)      # from the engine's thread

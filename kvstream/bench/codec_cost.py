@@ -1,19 +1,19 @@
 """What the codecs cost against the libraries under them (issue 12, target 7),
 and what a batch costs the host's loop beyond encoding it (target 4).
 
-* ``MsgpackCodec.encode`` against msgspec encoding the vLLM-style structs of the
-  same batch (:mod:`kvstream.bench.vllm_baseline`, built before timing): the
+* `MsgpackCodec.encode` against msgspec encoding the vLLM-style structs of the
+  same batch (`kvstream.bench.vllm_baseline`, built before timing): the
   bytes are identical (checked), so the difference is what kvstream adds.
-* ``JsonCodec.encode`` against ``orjson.dumps`` of the same content, the dict
-  ``JsonCodec.batch_to_dict`` gives (built before timing), plus the newline.
-* Per batch on the host's loop: ``emit(events)`` then ``await tick()`` into a
-  :class:`~kvstream.sinks.zmq.ZmqSink` publishing to a connected subscriber (the
+* `JsonCodec.encode` against `orjson.dumps` of the same content, the dict
+  `JsonCodec.batch_to_dict` gives (built before timing), plus the newline.
+* Per batch on the host's loop: `emit(events)` then `await tick()` into a
+  [`ZmqSink`][kvstream.sinks.zmq.ZmqSink] publishing to a connected subscriber (the
   tick encodes and sends inline), at 1 event per batch, against encoding the
   same batches alone. The difference is what kvstream adds per batch; the
   longest tick against the longest encode shows the loop is blocked no longer
   than encoding a batch takes (plus the send).
 
-Both workload shapes run (``vllm``, the main case, and ``mixed``); every timing
+Both workload shapes run (`vllm`, the main case, and `mixed`); every timing
 is the median of interleaved rounds.
 """
 
@@ -151,7 +151,7 @@ async def bench_codecs(
 async def _host_steps(
     step_chunks: list[list[KVCacheEvent]], ring: bool
 ) -> tuple[float, float, float]:
-    """Mean and max wall µs of ``emit`` + ``await tick()`` into a ZmqSink; and bytes sent."""
+    """Mean and max wall µs of `emit` + `await tick()` into a ZmqSink; and bytes sent."""
     import zmq
 
     from kvstream.sinks.zmq import ZmqSink

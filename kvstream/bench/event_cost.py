@@ -1,9 +1,9 @@
 """The cost of making one event, against serializing it (issue item 3, last part).
 
-For one 16-block, 256-token ``BlockStored`` from the pool, timed in the same
+For one 16-block, 256-token `BlockStored` from the pool, timed in the same
 process, interleaved, median of repeats:
 
-* **kvstream event**: ``BlockStored(...)`` — construction plus validation;
+* **kvstream event**: `BlockStored(...)` — construction plus validation;
 * **msgspec Struct**: the same fields in a plain tagged msgspec Struct, as vLLM
   builds its events (no validation);
 * **orjson.dumps**: serializing the same fields, from a dict built beforehand
@@ -46,7 +46,7 @@ class _PlainStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=Fal
 
 
 def _loop(fn: Callable[[], Any], n: int) -> float:
-    """Seconds per call of ``fn`` over ``n`` calls."""
+    """Seconds per call of `fn` over `n` calls."""
     clock = time.perf_counter
     t0 = clock()
     for _ in range(n):

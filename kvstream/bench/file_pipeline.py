@@ -1,11 +1,11 @@
 """The file sink at the codec's speed (issue 12, target 5).
 
 Four async sources yield 64-event chunks (awaiting once after each), the host
-ticks in a tight loop (``tick()``, one checkpoint), and a :class:`FileSink`
-writes JSON lines to a file on tmpfs (``/dev/shm``: the pipeline and the write
-calls are measured, not a disk) and to ``/dev/null``. The baseline, interleaved
+ticks in a tight loop (`tick()`, one checkpoint), and a [`FileSink`][kvstream.sinks.file.FileSink]
+writes JSON lines to a file on tmpfs (`/dev/shm`: the pipeline and the write
+calls are measured, not a disk) and to `/dev/null`. The baseline, interleaved
 in the same run: the JSON codec alone encoding batches of the same size (four
-chunks, 256 events) and writing each with one ``os.write`` to the same target.
+chunks, 256 events) and writing each with one `os.write` to the same target.
 Events/s are timed to the last byte handed to the OS; ratios are medians of
 per-round ratios.
 """
@@ -45,7 +45,7 @@ def _scratch_dir() -> str:
 
 
 def _codec_writing(path: str, prebuilt: Sequence[EventBatch], events: int) -> Sample:
-    """The baseline: encode each batch and write it with one ``os.write``."""
+    """The baseline: encode each batch and write it with one `os.write`."""
     encode = JsonCodec().encode
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o600)
     nbytes = 0

@@ -1,17 +1,17 @@
 """A subscriber process that only counts: ZMQ messages, or bytes from a TCP/Unix stream.
 
-Run as ``python -m kvstream.bench.frame_counter zmq ENDPOINT`` (a SUB socket,
-connecting, subscribed to everything) or ``... stream HOST:PORT`` /
-``... stream unix:PATH`` (a socket sink's subscriber: it sends the empty hello,
-``{}``, and reads the stream). It decodes
+Run as `python -m kvstream.bench.frame_counter zmq ENDPOINT` (a SUB socket,
+connecting, subscribed to everything) or `... stream HOST:PORT` /
+`... stream unix:PATH` (a socket sink's subscriber: it sends the empty hello,
+`{}`, and reads the stream). It decodes
 nothing, so it does not cap what it measures. Commands, one per line on stdin:
 
-* ``arm``: reset the counts and print ``armed``; then print ``ready`` after the
-  next message (ZMQ), or connect and print ``ready`` (stream);
-* ``count``: print the counts as one JSON line;
-* ``quit``: exit.
+* `arm`: reset the counts and print `armed`; then print `ready` after the
+  next message (ZMQ), or connect and print `ready` (stream);
+* `count`: print the counts as one JSON line;
+* `quit`: exit.
 
-The benchmark (the parent) drives it through :class:`CounterProcess`.
+The benchmark (the parent) drives it through `CounterProcess`.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ class CounterProcess:
         self.proc.stdin.flush()
 
     def poll_line(self, timeout: float) -> str | None:
-        """A line of output if one arrives within ``timeout`` seconds."""
+        """A line of output if one arrives within `timeout` seconds."""
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
         deadline = time.monotonic() + timeout

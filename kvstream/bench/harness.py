@@ -1,13 +1,13 @@
 """The pieces the pipeline benchmarks assemble: a counting null sink, sources, a driver.
 
-* :class:`NullSink` encodes (the base class does, with its codec) and discards,
-  counting events, and sets :attr:`NullSink.done` once it has seen a target.
+* `NullSink` encodes (the base class does, with its codec) and discards,
+  counting events, and sets `NullSink.done` once it has seen a target.
   Its transport always has room: batches are "written" inline from the tick.
-* :func:`free_source` yields pre-built chunks and awaits once between chunks,
+* `free_source()` yields pre-built chunks and awaits once between chunks,
   as a connector doing real work would.
-* :class:`Gate` paces sources to one chunk per tick (:func:`paced_source`), for
+* `Gate` paces sources to one chunk per tick (`paced_source()`), for
   the measurements that need a fixed number of events per tick.
-* :func:`drive` is the host's step loop: ``tick()`` then one checkpoint, until
+* `drive()` is the host's step loop: `tick()` then one checkpoint, until
   every source has ended; then a last tick and a wait for the sinks.
 """
 
@@ -59,7 +59,7 @@ class NullSink(Sink):
 
 
 class Countdown:
-    """How many sources are still yielding; :func:`drive` ticks until it reaches 0."""
+    """How many sources are still yielding; `drive()` ticks until it reaches 0."""
 
     __slots__ = ("remaining",)
 
@@ -95,7 +95,7 @@ class Gate:
         event.set()
 
     async def wait_past(self, generation: int) -> None:
-        """Wait until the gate was released after ``generation`` was read."""
+        """Wait until the gate was released after `generation` was read."""
         while self.generation == generation:
             await self._event.wait()
 
@@ -103,7 +103,7 @@ class Gate:
 async def paced_source(
     chunks: Sequence[list[KVCacheEvent]], gate: Gate, countdown: Countdown
 ) -> AsyncIterator[list[KVCacheEvent]]:
-    """Yield one chunk per release of ``gate``."""
+    """Yield one chunk per release of `gate`."""
     try:
         for chunk in chunks:
             generation = gate.generation
@@ -114,7 +114,7 @@ async def paced_source(
 
 
 async def wait_delivered(sinks: Sequence[Sink], events: int) -> None:
-    """Wait until every sink has delivered ``events`` events (or closed)."""
+    """Wait until every sink has delivered `events` events (or closed)."""
     for sink in sinks:
         if isinstance(sink, NullSink):
             await sink.done.wait()

@@ -1,7 +1,7 @@
-"""The prefix index's numbers (issue item 7), from ``benchmarks/bench_index.py``.
+"""The prefix index's numbers (issue item 7), from `benchmarks/bench_index.py`.
 
 The index benchmark is its own script (it lives beside the others in
-``benchmarks/``, which is not installed); the suite runs it in a child process
+`benchmarks/`, which is not installed); the suite runs it in a child process
 when it is found in a source checkout and turns its JSON into table rows.
 """
 
@@ -21,7 +21,7 @@ Progress = Callable[[], None]
 
 
 def index_script() -> Path | None:
-    """``benchmarks/bench_index.py`` of the source checkout this package runs from, if any."""
+    """`benchmarks/bench_index.py` of the source checkout this package runs from, if any."""
     root = Path(__file__).resolve().parent.parent.parent
     script = root / "benchmarks" / "bench_index.py"
     return script if script.is_file() else None

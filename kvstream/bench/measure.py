@@ -2,8 +2,8 @@
 
 Every benchmark measures its baseline in the same run, interleaved with the
 case it is compared with (round-robin, a warm-up round first), and reports the
-median of the runs. CPU time is :func:`time.process_time` (every thread of the
-process), wall time :func:`time.perf_counter`.
+median of the runs. CPU time is `time.process_time()` (every thread of the
+process), wall time `time.perf_counter()`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Sample:
-    """One timed run: wall and CPU seconds for ``events`` events (and ``nbytes`` bytes)."""
+    """One timed run: wall and CPU seconds for `events` events (and `nbytes` bytes)."""
 
     wall: float
     cpu: float
@@ -49,7 +49,7 @@ class Sample:
 
 
 class Meter:
-    """Start/stop wall and CPU clocks: ``m = Meter(); ...; sample = m.stop(events)``."""
+    """Start/stop wall and CPU clocks: `m = Meter(); ...; sample = m.stop(events)`."""
 
     __slots__ = ("_cpu", "_wall")
 
@@ -101,7 +101,7 @@ def summarize(samples: Sequence[Sample]) -> Summary:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) of ``values``, by nearest rank."""
+    """The `q`-th percentile (0-100) of `values`, by nearest rank."""
     if not values:
         return math.nan
     ordered = sorted(values)
@@ -119,7 +119,7 @@ async def interleave(
     warmup: int = 1,
     on_run: Callable[[], None] | None = None,
 ) -> dict[str, list[Sample]]:
-    """Run every case ``warmup`` times untimed, then ``runs`` rounds, round-robin.
+    """Run every case `warmup` times untimed, then `runs` rounds, round-robin.
 
     The order rotates each round so no case always runs right after another.
     A full garbage collection precedes every run.
@@ -141,7 +141,7 @@ async def interleave(
 
 
 def rss_bytes() -> int:
-    """The process's resident set size now (Linux ``/proc``; else the peak)."""
+    """The process's resident set size now (Linux `/proc`; else the peak)."""
     try:
         with open("/proc/self/statm", "rb") as f:
             pages = int(f.read().split()[1])

@@ -1,20 +1,20 @@
 """Memory under a stalled sink (issue item 5).
 
 A scheduler feeds two sinks with the same JSON codec: a healthy null sink and a
-sink whose ``send`` never returns (a stalled transport) with a configured bound
-(``max_bytes``). Because the codec is shared, every batch the healthy sink
+sink whose `send` never returns (a stalled transport) with a configured bound
+(`max_bytes`). Because the codec is shared, every batch the healthy sink
 encodes carries its bytes while it waits in the stalled sink's outbox, so the
 outbox holds real encoded bytes, as it would with a slow socket.
 
-Each policy runs in a fresh interpreter (``python -m kvstream.bench.memory``):
+Each policy runs in a fresh interpreter (`python -m kvstream.bench.memory`):
 memory that earlier benchmarks freed stays resident and would be reused, hiding
 growth. The host emits 64-event chunks cycled from the pre-built pool and ticks. RSS is
 taken after a short warm-up (8 chunks: the pipeline's first allocations made,
 the stalled outbox far below its bound), then sampled until every event has
 flowed, so the stalled outbox's filling is part of the growth. A warm-up that
 churned more memory would hide growth: the allocator would reuse what it freed.
-With ``drop_oldest`` and ``drop_newest`` the flow never stops and the growth
-must stay within the bound plus 32 MB; with ``block`` the tick waits once the
+With `drop_oldest` and `drop_newest` the flow never stops and the growth
+must stay within the bound plus 32 MB; with `block` the tick waits once the
 outbox is full (backpressure): the run stops there and reports how far it got.
 """
 
@@ -50,7 +50,7 @@ _SLACK = 32 * _MB
 
 
 class StalledSink(Sink):
-    """A sink whose transport never accepts anything: ``send`` waits forever."""
+    """A sink whose transport never accepts anything: `send` waits forever."""
 
     async def send(self, data: bytes, batch: EventBatch) -> None:
         await anyio.sleep_forever()
@@ -150,7 +150,7 @@ async def _run_in_child(sizes: Sizes, policy: OverflowPolicy) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Child entry: ``python -m kvstream.bench.memory POLICY --events N --bound BYTES``."""
+    """Child entry: `python -m kvstream.bench.memory POLICY --events N --bound BYTES`."""
     p = argparse.ArgumentParser(prog="python -m kvstream.bench.memory")
     p.add_argument("policy", choices=POLICIES)
     p.add_argument("--events", type=int, required=True)

@@ -1,22 +1,22 @@
 """Per sink: events/s and MB/s through each transport that is available (issue item 6).
 
-Every case runs the same host loop (``emit`` a 64-event chunk, ``await
-tick()``, one checkpoint) into one sink with its default codec, and is timed
+Every case runs the same host loop (`emit` a 64-event chunk, `await
+tick()`, one checkpoint) into one sink with its default codec, and is timed
 until the sink's transport has taken every batch:
 
-* ``file``: a file on the temporary folder's disk, until written and flushed;
-* ``tcp`` / ``unix``: the socket sink, until its writer has written every batch
+* `file`: a file on the temporary folder's disk, until written and flushed;
+* `tcp` / `unix`: the socket sink, until its writer has written every batch
   to a subscriber in another process that only counts bytes;
-* ``zmq``: the ZMQ sink, until every batch is handed to the socket, with a
+* `zmq`: the ZMQ sink, until every batch is handed to the socket, with a
   frame-counting SUB in another process;
-* ``nats``: JetStream (memory storage), until every publish is acknowledged;
-* ``redis``: Redis Streams (no persistence), until every XADD has answered.
+* `nats`: JetStream (memory storage), until every publish is acknowledged;
+* `redis`: Redis Streams (no persistence), until every XADD has answered.
 
 A transport whose module or server is missing is reported "not available".
 
-Any sink URL works too (``kvstream bench --only sinks --sink 'mysink:/x?opt=1'``,
+Any sink URL works too (`kvstream bench --only sinks --sink 'mysink:/x?opt=1'`,
 a third-party scheme included): the sink is built from the URL
-(:func:`kvstream.config.open_sink`) and timed until its statistics count every
+(`kvstream.config.open_sink()`) and timed until its statistics count every
 batch delivered.
 """
 
@@ -117,12 +117,12 @@ def _url_case(url: str) -> Setup:
 
 
 def is_sink_url(name: str) -> bool:
-    """Whether a ``--sink`` value is a URL (any scheme) rather than a built-in case name."""
+    """Whether a `--sink` value is a URL (any scheme) rather than a built-in case name."""
     return ":" in name or name == "-"
 
 
 def _fresh(path: str) -> str:
-    """``path``, with whatever a previous run left there removed."""
+    """`path`, with whatever a previous run left there removed."""
     if os.path.exists(path):
         os.unlink(path)
     return path

@@ -1,13 +1,13 @@
 """Pipeline benchmarks: efficiency against the codec alone, cost to the host, scaling.
 
-* :func:`bench_efficiency` (issue item 1): events/s through async sources, the
+* `bench_efficiency()` (issue item 1): events/s through async sources, the
   tick, the JSON codec and a null sink (and a file sink), against the JSON codec
   encoding the same batches in a plain loop, interleaved, same process.
-* :func:`bench_host_cost` (item 3): ``tick()`` wall time on the host's loop
+* `bench_host_cost()` (item 3): `tick()` wall time on the host's loop
   (p50/p99) and the whole pipeline's CPU per event, at 16 and 256 events per
   tick from 4 paced sources, against the codec's CPU per event; and the cost of
-  ``emit``.
-* :func:`bench_scaling` (item 4): events/s against the number of sources (each
+  `emit`.
+* `bench_scaling()` (item 4): events/s against the number of sources (each
   yielding 64-event chunks) and of sinks.
 """
 
@@ -57,7 +57,7 @@ def _scratch_dir() -> str:
 
 
 def _split(all_chunks: list[list[KVCacheEvent]], n: int) -> list[list[list[KVCacheEvent]]]:
-    """Deal chunks round-robin to ``n`` sources."""
+    """Deal chunks round-robin to `n` sources."""
     return [all_chunks[i::n] for i in range(n)]
 
 
@@ -75,7 +75,7 @@ async def run_sources(
     per_source: Sequence[Sequence[list[KVCacheEvent]]],
     make_sinks: Callable[[int], list[Sink]],
 ) -> Sample:
-    """Free-running sources through a scheduler into ``make_sinks(total)``; timed to delivery."""
+    """Free-running sources through a scheduler into `make_sinks(total)`; timed to delivery."""
     total = sum(len(c) for chunks_ in per_source for c in chunks_)
     sinks = make_sinks(total)
     countdown = Countdown(len(per_source))
@@ -339,7 +339,7 @@ async def bench_host_cost(
 
 
 async def _emit_cost(pool: list[KVCacheEvent], sizes: Sizes) -> list[Row]:
-    """``emit`` of one event and of lists, per call and per event (no sinks, untimed ticks)."""
+    """`emit` of one event and of lists, per call and per event (no sinks, untimed ticks)."""
     rows: list[Row] = []
     calls = 256
     repeats = max(sizes.event_repeats * 4, 8)

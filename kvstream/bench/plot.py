@@ -1,8 +1,8 @@
 """The plot: events/s against events per tick, kvstream and the baselines.
 
-With matplotlib (the ``bench`` extra) any format matplotlib writes (``.png``,
-``.svg``, ...); without it, a small self-contained SVG drawn here (a ``.png``
-path then gets ``.svg`` instead, and the caller is told).
+With matplotlib (the `bench` extra) any format matplotlib writes (`.png`,
+`.svg`, ...); without it, a small self-contained SVG drawn here (a `.png`
+path then gets `.svg` instead, and the caller is told).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def series_of(report: dict[str, Any]) -> list[tuple[str, str, Series]]:
 
 
 def plot_series(report: dict[str, Any], path: str) -> str:
-    """Draw the report's series to ``path``; returns the path actually written."""
+    """Draw the report's series to `path`; returns the path actually written."""
     panels = series_of(report)
     if not panels:
         raise ValueError("the report has no events/s series to plot (run efficiency or zmq)")

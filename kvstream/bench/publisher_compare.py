@@ -1,14 +1,14 @@
-"""The drop-in ``EventPublisher`` against a publisher that behaves as vLLM's (issue 12, 1 and 2).
+"""The drop-in `EventPublisher` against a publisher that behaves as vLLM's (issue 12, 1 and 2).
 
-Both are driven the way vLLM's scheduler drives its publisher: ``publish(batch)``
+Both are driven the way vLLM's scheduler drives its publisher: `publish(batch)`
 once per step from the engine's thread, with vLLM's event structs (the same
 pre-built batches for both, converted from the workload before anything is
 timed), publishing on TCP with a replay ROUTER to a subscriber in another
-process that only counts frames (:mod:`kvstream.bench.frame_counter`).
+process that only counts frames (`kvstream.bench.frame_counter`).
 
-* **Target 1, a tight step loop.** Sender events/s from the first ``publish``
-  until the last batch has left the socket; ``publish()`` wall time in the
-  caller (median); sender CPU per event (:func:`time.process_time`, every
+* **Target 1, a tight step loop.** Sender events/s from the first `publish`
+  until the last batch has left the socket; `publish()` wall time in the
+  caller (median); sender CPU per event (`time.process_time()`, every
   thread of the process: the loop's, the publisher's, ZMQ's I/O thread).
 * **Target 2, a busy engine.** The engine's thread does about 2 ms of Python
   work per step (calibrated once, alone) and then publishes 16 or 256 events.
@@ -57,7 +57,7 @@ def busy_work(loops: int) -> int:
 
 
 def calibrate_busy_work(seconds: float = STEP_WORK) -> int:
-    """How many :func:`busy_work` loops take ``seconds`` on this machine, alone."""
+    """How many `busy_work()` loops take `seconds` on this machine, alone."""
     loops = 1000
     while True:
         start = time.perf_counter()
@@ -216,7 +216,7 @@ def _busy_run(
     probe: Any,
     loops: int,
 ) -> float:
-    """Engine steps per second: ``loops`` of Python work, then one publish, per step."""
+    """Engine steps per second: `loops` of Python work, then one publish, per step."""
     pub = make() if make is not None else None
     try:
         if pub is not None:

@@ -15,7 +15,7 @@ __all__ = ["quiet_logs"]
 
 @contextmanager
 def quiet_logs(name: str = "kvstream", level: int = logging.CRITICAL) -> Iterator[None]:
-    """Raise ``name``'s logger to ``level`` for the block (its children follow it)."""
+    """Raise `name`'s logger to `level` for the block (its children follow it)."""
     logger = logging.getLogger(name)
     previous = logger.level
     logger.setLevel(level)

@@ -120,7 +120,7 @@ def render_markdown(report: dict[str, Any], *, heading: str = "###") -> str:
 
 
 def print_report(report: dict[str, Any], out: TextIO, *, rich: bool = True) -> None:
-    """Print ``report`` to ``out``: a rich table when rich is installed and asked for."""
+    """Print `report` to `out`: a rich table when rich is installed and asked for."""
     if rich:
         try:
             from rich.console import Console

@@ -1,7 +1,7 @@
-"""Broker servers for the per-sink benchmark: ``nats-server -js`` and ``redis-server``.
+"""Broker servers for the per-sink benchmark: `nats-server -js` and `redis-server`.
 
 Each runs on a free loopback port with its data in a temporary folder, for the
-length of a ``with`` block. Both keep their data in memory (JetStream memory
+length of a `with` block. Both keep their data in memory (JetStream memory
 storage is chosen by the sink; Redis runs without AOF or snapshots), so the
 benchmark measures the sink and the protocol, not the disk.
 """
@@ -28,7 +28,7 @@ def free_port() -> int:
 
 
 class BrokerServer:
-    """``BrokerServer("nats")`` or ``BrokerServer("redis")``; ``url`` once entered."""
+    """`BrokerServer("nats")` or `BrokerServer("redis")`; `url` once entered."""
 
     def __init__(self, kind: str) -> None:
         if kind not in ("nats", "redis"):

@@ -1,4 +1,4 @@
-"""How big each benchmark runs: the full suite and ``--quick``."""
+"""How big each benchmark runs: the full suite and `--quick`."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ __all__ = ["FULL", "QUICK", "TINY", "Sizes"]
 
 @dataclass(frozen=True)
 class Sizes:
-    """Knobs shared by the benchmarks (events are cycled from a pool of ``pool_events``)."""
+    """Knobs shared by the benchmarks (events are cycled from a pool of `pool_events`)."""
 
     pool_events: int = 8192
     #: Events per tick (and per batch) for the pipeline-efficiency sweep.
     events_per_tick: tuple[int, ...] = (1, 16, 64, 256, 1024)
     #: Each run moves about this many events (fewer at small batch sizes).
     events_per_run: int = 100_000
-    #: ...but never more ticks than this, nor fewer than ``min_ticks``.
+    #: ...but never more ticks than this, nor fewer than `min_ticks`.
     max_ticks: int = 10_000
     min_ticks: int = 64
     runs: int = 7

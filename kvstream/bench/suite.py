@@ -1,6 +1,6 @@
 """The whole suite: which benchmarks exist, how long each runs, the report they make.
 
-:func:`run_suite` runs the selected benchmarks in order over one pre-built pool
+`run_suite()` runs the selected benchmarks in order over one pre-built pool
 (generated first, then frozen out of the garbage collector's way: it stands
 for events an engine would have just made) and returns a JSON-ready report:
 the machine, the sizes, every result, and every target checked.
@@ -149,7 +149,7 @@ async def run_suite(
     progress: ProgressSink | None = None,
     sinks: Sequence[str] = SINK_NAMES,
 ) -> dict[str, Any]:
-    """Run the benchmarks named in ``only`` (default: all) and return the report."""
+    """Run the benchmarks named in `only` (default: all) and return the report."""
     names = [n for n in BENCHMARKS if only is None or n in only]
     started = time.time()
     info = machine_info()

@@ -1,30 +1,30 @@
-"""A publisher that behaves as vLLM's ``ZmqEventPublisher`` does: the comparison's baseline.
+"""A publisher that behaves as vLLM's `ZmqEventPublisher` does: the comparison's baseline.
 
-Written from the behaviour of vLLM's ``vllm/distributed/kv_events.py`` (Aug
+Written from the behaviour of vLLM's `vllm/distributed/kv_events.py` (Aug
 2026) and WIRE.md, not from its code:
 
-* ``publish(batch)``, called on the engine's (scheduler's) thread, stamps the
+* `publish(batch)`, called on the engine's (scheduler's) thread, stamps the
   publisher's data-parallel rank on a batch that has none and does a blocking
-  ``queue.put`` on a bounded :class:`queue.Queue` (``max_queue_size``);
+  `queue.put` on a bounded `queue.Queue` (`max_queue_size`);
 * one thread owns the sockets, made in the process's shared ZMQ context
-  (``zmq.Context.instance()``): each turn it polls the replay ROUTER without
-  waiting (and serves a request: every buffered batch from the asked ``seq``,
-  then the end marker), takes a batch off the queue (``get`` with a 0.1 s
+  (`zmq.Context.instance()`): each turn it polls the replay ROUTER without
+  waiting (and serves a request: every buffered batch from the asked `seq`,
+  then the end marker), takes a batch off the queue (`get` with a 0.1 s
   timeout), encodes it with a reused msgspec msgpack encoder, sends
-  ``[topic, seq (8 bytes), payload]`` on a synchronous PUB and appends
-  ``(seq, payload)`` to a ring of ``buffer_steps`` batches. An encode or send
+  `[topic, seq (8 bytes), payload]` on a synchronous PUB and appends
+  `(seq, payload)` to a ring of `buffer_steps` batches. An encode or send
   error drops the batch with its sequence number used;
-* the PUB binds (``bind=None``: vLLM's rule, bind for ``*``, ``::``,
-  ``ipc://`` and ``inproc://``, else connect; the benchmarks bind on loopback), has a high-water
-  mark of ``hwm`` messages and drops silently beyond it; shutdown waits up to a
+* the PUB binds (`bind=None`: vLLM's rule, bind for `*`, `::`,
+  `ipc://` and `inproc://`, else connect; the benchmarks bind on loopback), has a high-water
+  mark of `hwm` messages and drops silently beyond it; shutdown waits up to a
   second, then closes with linger 0.
 
 Events are vLLM's msgspec Structs, declared with vLLM's names, fields (those
-WIRE.md lists; vLLM's Aug 2026 ``storage_tier``, ``source_node`` and
-``estimated_bandwidth_bps`` are left out, so the payload is byte for byte the
+WIRE.md lists; vLLM's Aug 2026 `storage_tier`, `source_node` and
+`estimated_bandwidth_bps` are left out, so the payload is byte for byte the
 msgpack codec's) and options (tagged maps, fields with a default omitted when
 at it), unvalidated, as vLLM builds them. The benchmark converts kvstream's events to these before
-timing (:func:`to_vllm_batch`).
+timing (`to_vllm_batch()`).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class AllBlocksCleared(KVCacheEvent):
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """``[ts, events, data_parallel_rank]`` (array_like never shortens: always 3)."""
+    """`[ts, events, data_parallel_rank]` (array_like never shortens: always 3)."""
 
     ts: float
     events: list[Any]
@@ -142,9 +142,9 @@ def to_vllm_event(event: kv.KVCacheEvent) -> Any:
 def to_vllm_batch(
     batch: kv.EventBatch, cache: dict[int, Any] | None = None, *, rank: bool = True
 ) -> KVEventBatch:
-    """The vLLM batch of ``batch``; ``cache`` shares structs of repeated events.
+    """The vLLM batch of `batch`; `cache` shares structs of repeated events.
 
-    ``rank=False`` leaves ``data_parallel_rank`` None, as vLLM's scheduler
+    `rank=False` leaves `data_parallel_rank` None, as vLLM's scheduler
     builds its batches (the publisher stamps its own).
     """
     events = []
@@ -229,12 +229,12 @@ class VllmStylePublisher:
         self._queue.put(batch)
 
     def expect(self, events: int) -> None:
-        """Arm :meth:`wait_sent` for ``events`` more events (the benchmark's end marker)."""
+        """Arm `wait_sent()` for `events` more events (the benchmark's end marker)."""
         self._reached.clear()
         self._target = self.sent_events + events
 
     def wait_sent(self, timeout: float | None = None) -> bool:
-        """Block until the events armed with :meth:`expect` have been sent."""
+        """Block until the events armed with `expect()` have been sent."""
         return self._reached.wait(timeout)
 
     def _run(self) -> None:

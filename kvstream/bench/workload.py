@@ -1,23 +1,23 @@
 """The benchmarks' workloads: realistic events, pre-built before anything is timed.
 
-Two shapes (:func:`event_pool`'s ``shape``):
+Two shapes (`event_pool()`'s `shape`):
 
-* ``"vllm"``, the main case: every event a ``BlockStored`` shaped as vLLM emits
+* `"vllm"`, the main case: every event a `BlockStored` shaped as vLLM emits
   it from its block pool: 16 block hashes (the low 64 bits of chained sha256
   digests, as vLLM's default hashing gives), 256 token ids drawn uniformly from
-  a 151,936-token vocabulary (Qwen's), ``block_size`` 16, ``medium="GPU"``,
-  ``extra_keys=[None] * 16``, ``group_idx=0`` and
-  ``kv_cache_spec_kind="full_attention"``. Chains run for a few events, then a
+  a 151,936-token vocabulary (Qwen's), `block_size` 16, `medium="GPU"`,
+  `extra_keys=[None] * 16`, `group_idx=0` and
+  `kv_cache_spec_kind="full_attention"`. Chains run for a few events, then a
   new request starts one at the root.
-* ``"mixed"``, the second case: events from the simulated engine
-  (:mod:`kvstream.sim`): real chained block hashes, GPU evictions spilling to a
-  CPU tier and a remote store. Every ``BlockStored`` run the engine makes is cut
-  into events of exactly ``blocks_per_event`` blocks (shorter tails are left
-  out) and every ``BlockRemoved`` is kept as the engine made it: stores and
+* `"mixed"`, the second case: events from the simulated engine
+  (`kvstream.sim`): real chained block hashes, GPU evictions spilling to a
+  CPU tier and a remote store. Every `BlockStored` run the engine makes is cut
+  into events of exactly `blocks_per_event` blocks (shorter tails are left
+  out) and every `BlockRemoved` is kept as the engine made it: stores and
   removals. Cutting runs breaks parent links, so it is a *shape* workload, not a
   stream a consistency checker would accept.
 
-Benchmarks cycle through the pool (:func:`chunks`, :func:`batches`): the lists
+Benchmarks cycle through the pool (`chunks()`, `batches()`): the lists
 are built up front and hold references to the pool's events, so generating the
 workload is never timed and cycling it does not grow memory.
 """
@@ -121,7 +121,7 @@ def event_pool(
     block_size: int = 16,
     shape: Shape = "vllm",
 ) -> list[KVCacheEvent]:
-    """``n_events`` realistic events of ``shape`` (see the module doc); cached per arguments.
+    """`n_events` realistic events of `shape` (see the module doc); cached per arguments.
 
     Builds take about a second per 10k events (every block is hashed).
     """
@@ -162,7 +162,7 @@ def event_pool(
 
 
 def chunks(pool: list[KVCacheEvent], size: int, count: int, *, offset: int = 0) -> list[list[Any]]:
-    """``count`` lists of ``size`` events each, cycling through ``pool`` from ``offset``."""
+    """`count` lists of `size` events each, cycling through `pool` from `offset`."""
     if size <= 0 or count < 0:
         raise ConfigError(f"chunks: expected size > 0 and count >= 0, got {size}, {count}")
     cycle = itertools.cycle(pool)
@@ -174,7 +174,7 @@ def chunks(pool: list[KVCacheEvent], size: int, count: int, *, offset: int = 0) 
 def batches(
     pool: list[KVCacheEvent], size: int, count: int, *, ts: float = 1767225600.0
 ) -> list[EventBatch]:
-    """``count`` numbered batches of ``size`` events (what a tick would seal)."""
+    """`count` numbered batches of `size` events (what a tick would seal)."""
     return [
         EventBatch(seq=i, ts=ts + i * 0.001, events=events, origin=ORIGIN, epoch=EPOCH)
         for i, events in enumerate(chunks(pool, size, count))
@@ -182,7 +182,7 @@ def batches(
 
 
 def sample_stored(pool: list[KVCacheEvent]) -> BlockStored:
-    """The first 16-block ``BlockStored`` of the pool (the single-event benchmarks' event)."""
+    """The first 16-block `BlockStored` of the pool (the single-event benchmarks' event)."""
     for event in pool:
         if type(event) is BlockStored:
             return event

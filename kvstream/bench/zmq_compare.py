@@ -3,21 +3,21 @@
 Four cases publish the same pre-built batches (kvstream's events for kvstream,
 the same events as vLLM-style structs for the others, converted before timing)
 on TCP to a subscriber in another process that only counts frames
-(:mod:`kvstream.bench.frame_counter`):
+(`kvstream.bench.frame_counter`):
 
-* the **vLLM-design publisher** (the baseline, :mod:`kvstream.bench.vllm_baseline`);
+* the **vLLM-design publisher** (the baseline, `kvstream.bench.vllm_baseline`);
 * the **floor**: msgspec encoding the vLLM structs and a synchronous
-  ``send_multipart`` in one thread, nothing else (no queue, no ring): what any
+  `send_multipart` in one thread, nothing else (no queue, no ring): what any
   publisher of this wire costs at least, so every ratio can be read against it;
 * **kvstream, replay ring on** (vLLM always keeps its ring) and **ring off**:
-  ``Scheduler`` + ``ZmqSink`` driven natively, an engine step loop of
-  ``emit(chunk)``, ``await tick()``, one checkpoint.
+  `Scheduler` + `ZmqSink` driven natively, an engine step loop of
+  `emit(chunk)`, `await tick()`, one checkpoint.
 
 Measured in the sender process, from the first publish until the last batch has
-been handed to the socket: events/s and CPU per event (:func:`time.process_time`:
+been handed to the socket: events/s and CPU per event (`time.process_time()`:
 every thread, ZMQ's I/O thread included). The subscriber's counts show what
 arrived. The ring holds what it holds in a long-running publisher: it is filled
-(untimed) before each timed run and bounded (``ring_bytes``) at about half of
+(untimed) before each timed run and bounded (`ring_bytes`) at about half of
 what a run publishes, so the timed run measures a full ring that keeps wrapping.
 """
 
@@ -90,7 +90,7 @@ def _wait_ready(counter: CounterProcess, probe: Callable[[], None], timeout: flo
 
 
 def _counts(counter: CounterProcess, messages: int, timeout: float = 20.0) -> dict[str, Any]:
-    """The subscriber's counts once ``messages`` arrived (or they stop growing)."""
+    """The subscriber's counts once `messages` arrived (or they stop growing)."""
     deadline = time.monotonic() + timeout
     last: dict[str, Any] = {}
     stable = 0
@@ -270,7 +270,7 @@ _CASES: tuple[tuple[str, str], ...] = (
 
 
 def _ratio(mine: list[Sample], base: list[Sample], what: str) -> float:
-    """Median of per-round ratios (``what``: events/s or CPU/event)."""
+    """Median of per-round ratios (`what`: events/s or CPU/event)."""
     if what == "rate":
         return statistics.median(
             a.events_per_s / b.events_per_s for a, b in zip(mine, base, strict=True)

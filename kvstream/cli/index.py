@@ -1,16 +1,16 @@
-"""``kvstream index``: follow a stream into a prefix index and answer queries over HTTP.
+"""`kvstream index`: follow a stream into a prefix index and answer queries over HTTP.
 
-``kvstream index URL`` reads batches from any subscriber URL (a JSON-lines file,
+`kvstream index URL` reads batches from any subscriber URL (a JSON-lines file,
 followed as it grows; ZMQ, NATS, Redis, ...), keeps a
-:class:`~kvstream.index.PrefixIndex` and serves ``POST /match`` and
-``GET /stats`` on 127.0.0.1. It runs until Ctrl-C or SIGTERM, and keeps
+[`PrefixIndex`][kvstream.index.prefix.PrefixIndex] and serves `POST /match` and
+`GET /stats` on 127.0.0.1. It runs until Ctrl-C or SIGTERM, and keeps
 answering from what it has if the stream ends.
 
-With ``--state FILE`` the index is loaded from FILE at start (when it exists),
-saved every ``--save-interval`` seconds and on shutdown (written to a temporary
+With `--state FILE` the index is loaded from FILE at start (when it exists),
+saved every `--save-interval` seconds and on shutdown (written to a temporary
 file, then renamed over FILE), so a restarted router is warm.
 
-``kvstream index --demo`` routes simulated requests over a simulated fleet (DP
+`kvstream index --demo` routes simulated requests over a simulated fleet (DP
 ranks, restarts, an engine lost) with the tier-weighted index, the index on GPU
 alone, and at random, and prints the hit rates.
 """
@@ -262,7 +262,7 @@ def _weights(pairs: list[str]) -> dict[str, float] | None:
 
 
 def _write_state(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` whole or not at all (a temporary file, then a rename)."""
+    """Write `data` to `path` whole or not at all (a temporary file, then a rename)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:

@@ -1,18 +1,18 @@
-"""``kvstream relay``: carry live engine streams into any sinks, one origin per upstream.
+"""`kvstream relay`: carry live engine streams into any sinks, one origin per upstream.
 
-Reads every ``--source`` (any subscriber URL: ``zmq+tcp://...`` for a vLLM,
-SGLang or TensorRT-LLM publisher, with ``?replay=...`` to repair gaps;
-``file:PATH?follow=1``; the other transports as they arrive) and publishes
-into every ``--sink``, ticking every ``--interval`` seconds. Each upstream is
-its own origin (``?origin=NAME`` on a ZMQ source; kvstream-format upstreams
+Reads every `--source` (any subscriber URL: `zmq+tcp://...` for a vLLM,
+SGLang or TensorRT-LLM publisher, with `?replay=...` to repair gaps;
+`file:PATH?follow=1`; the other transports as they arrive) and publishes
+into every `--sink`, ticking every `--interval` seconds. Each upstream is
+its own origin (`?origin=NAME` on a ZMQ source; kvstream-format upstreams
 keep their origins; a bound ZMQ source keeps one origin per connecting
 publisher's topic and rank). Each source reads every engine dialect (vLLM map
-and positional, SGLang, TensorRT-LLM; ``?dialect=`` pins one, ``?media=normalize``
+and positional, SGLang, TensorRT-LLM; `?dialect=` pins one, `?media=normalize`
 maps tier names); each ZMQ sink writes the one its consumer reads
-(``?profile=map|positional|sglang|sglang-positional|llm-d-2025-12``). An
-upstream restart reaches the sinks as ``AllBlocksCleared`` for that origin; so
+(`?profile=map|positional|sglang|sglang-positional|llm-d-2025-12`). An
+upstream restart reaches the sinks as `AllBlocksCleared` for that origin; so
 does an upstream gap nothing could repair, its metadata saying which batches
-were lost (``--on-gap count`` only counts it). On Ctrl-C or SIGTERM it stops
+were lost (`--on-gap count` only counts it). On Ctrl-C or SIGTERM it stops
 reading, delivers what it has and prints a one-line summary on stderr.
 """
 

@@ -1,14 +1,14 @@
 """The codec contract: pure, synchronous, sans-IO.
 
-A codec turns one :class:`~kvstream.events.EventBatch` into bytes and back. It
+A codec turns one [`EventBatch`][kvstream.events.EventBatch] into bytes and back. It
 does no I/O and keeps no per-call state, so it can be tested and benchmarked
 without an event loop and shared by every sink that uses it. Sinks never call
 a codec themselves: the scheduler's encoding group
-(:class:`kvstream.sinks.encoding.EncodingGroup`) encodes each batch once per
-equal codec, with :meth:`Codec.encode_screened`, however many sinks share it.
+(`kvstream.sinks.encoding.EncodingGroup`) encodes each batch once per
+equal codec, with `Codec.encode_screened()`, however many sinks share it.
 
 Every caller uses the contract as declared here: no probing for optional
-methods, no branching on ``name``, no ``except TypeError`` to find a signature.
+methods, no branching on `name`, no `except TypeError` to find a signature.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ class Codec(Protocol):
     are equal share one encoding of every batch.
     """
 
-    #: Short name used in URLs (``?codec=json``) and logs.
+    #: Short name used in URLs (`?codec=json`) and logs.
     name: str
-    #: True when an encoded batch carries its own end (JSON lines end in ``\\n``),
+    #: True when an encoded batch carries its own end (JSON lines end in `\\n`),
     #: so a byte stream needs no extra framing.
     self_delimiting: bool
 
@@ -51,24 +51,24 @@ class Codec(Protocol):
         """Return the bytes of one batch and the events left out of them.
 
         A codec with a strict profile leaves out the events its consumers would
-        reject and says why; the batch itself (and its ``seq``) is always
-        written. A codec without one returns ``(encode(batch), ())``.
+        reject and says why; the batch itself (and its `seq`) is always
+        written. A codec without one returns `(encode(batch), ())`.
         """
         ...
 
     def decode(self, data: bytes) -> EventBatch:
-        """Return the batch encoded in ``data``.
+        """Return the batch encoded in `data`.
 
-        Raises :class:`~kvstream.errors.DecodeError` (and nothing else) for bytes
+        Raises [`DecodeError`][kvstream.errors.DecodeError] (and nothing else) for bytes
         that are not one valid batch. Bytes that do not carry the batch's
-        ``(origin, epoch, seq)`` give ``("", "", 0)``: use :meth:`decode_keyed`.
+        `(origin, epoch, seq)` give `("", "", 0)`: use `decode_keyed()`.
         """
         ...
 
     def decode_keyed(self, data: bytes, *, seq: int, origin: str, epoch: str) -> EventBatch:
-        """Return the batch in ``data``, named ``(origin, epoch, seq)`` by its transport.
+        """Return the batch in `data`, named `(origin, epoch, seq)` by its transport.
 
         A codec whose bytes carry their own name checks that it is this one and
-        raises :class:`~kvstream.errors.DecodeError` when it is not.
+        raises [`DecodeError`][kvstream.errors.DecodeError] when it is not.
         """
         ...

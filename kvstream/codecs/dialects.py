@@ -1,36 +1,36 @@
 """The KV-event dialects of the engines, read into kvstream's events and written back out.
 
 Every engine that publishes KV events over ZMQ sends the same batch,
-``[ts, events, rank]``, but its events come in several shapes (see
-``docs/vllm-wire.md`` for the tables). Reading is per event and detects the
+`[ts, events, rank]`, but its events come in several shapes (see
+`docs/vllm-wire.md` for the tables). Reading is per event and detects the
 shape of each event by itself, so one stream may mix them:
 
 * **vLLM map** (v0.26+, and TensorRT-LLM's vLLM-wire publisher):
-  ``{"type": "BlockStored", ...}``. Keys a later vLLM adds are kept in
-  ``metadata["wire"]["extra"]``.
-* **vLLM positional** (older vLLM): ``["BlockStored", f1, f2, ...]`` of every
+  `{"type": "BlockStored", ...}`. Keys a later vLLM adds are kept in
+  `metadata["wire"]["extra"]`.
+* **vLLM positional** (older vLLM): `["BlockStored", f1, f2, ...]` of every
   length a version produced, trailing elements beyond the known fields kept in
-  ``metadata["wire"]["extra_positional"]``.
-* **SGLang map** (since #37482): the vLLM map plus ``cache_salt`` and
-  ``session_id`` on ``BlockStored``; the batch's third element is its
-  ``attn_dp_rank``, read as the rank.
-* **SGLang positional** (older SGLang): element 7 of ``BlockStored``, where vLLM
-  has ``lora_name``, is a metadata map (kept in
-  ``metadata["wire"]["sglang_metadata"]``).
+  `metadata["wire"]["extra_positional"]`.
+* **SGLang map** (since #37482): the vLLM map plus `cache_salt` and
+  `session_id` on `BlockStored`; the batch's third element is its
+  `attn_dp_rank`, read as the rank.
+* **SGLang positional** (older SGLang): element 7 of `BlockStored`, where vLLM
+  has `lora_name`, is a metadata map (kept in
+  `metadata["wire"]["sglang_metadata"]`).
 
-Fields kvstream's events do not have travel in ``metadata["wire"]`` (the key
-:data:`~kvstream.events.WIRE_KEY`), losslessly: values a JSON reader cannot hold
-(bytes) are written ``{"$bytes": "<hex>"}``. The encoders of this module
-(profiles ``sglang``, ``sglang-positional`` and ``llm-d-2025-12``) write them
+Fields kvstream's events do not have travel in `metadata["wire"]` (the key
+`WIRE_KEY`), losslessly: values a JSON reader cannot hold
+(bytes) are written `{"$bytes": "<hex>"}`. The encoders of this module
+(profiles `sglang`, `sglang-positional` and `llm-d-2025-12`) write them
 back where their dialect has the field; the vLLM profiles (in
-:mod:`kvstream.codecs.msgpack`) leave them out, as strict vLLM readers refuse
+`kvstream.codecs.msgpack`) leave them out, as strict vLLM readers refuse
 unknown fields.
 
-``dialect="auto"`` (the default) reads all of the above. ``dialect="vllm"``
-refuses what only SGLang sends (a map at element 7, ``cache_salt``,
-``session_id``), naming the field; ``dialect="sglang"`` reads both.
-``media="normalize"`` maps ``medium`` through :mod:`kvstream.media`'s table,
-keeping the raw spelling in ``metadata["wire"]["medium"]``.
+`dialect="auto"` (the default) reads all of the above. `dialect="vllm"`
+refuses what only SGLang sends (a map at element 7, `cache_salt`,
+`session_id`), naming the field; `dialect="sglang"` reads both.
+`media="normalize"` maps `medium` through `kvstream.media`'s table,
+keeping the raw spelling in `metadata["wire"]["medium"]`.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def check_dialect(dialect: object) -> Dialect:
 
 
 def to_json_safe(value: Any, depth: int = 0) -> Any:
-    """``value`` with bytes as ``{"$bytes": hex}`` and map keys as str (for ``metadata``)."""
+    """`value` with bytes as `{"$bytes": hex}` and map keys as str (for `metadata`)."""
     if depth > 30:
         raise DecodeError("foreign field nested more than 30 deep")
     t = type(value)
@@ -125,7 +125,7 @@ def to_json_safe(value: Any, depth: int = 0) -> Any:
 
 
 def from_json_safe(value: Any) -> Any:
-    """The inverse of :func:`to_json_safe`."""
+    """The inverse of `to_json_safe()`."""
     t = type(value)
     if t is dict:
         if len(value) == 1 and type(value.get("$bytes")) is str:
@@ -142,7 +142,7 @@ def from_json_safe(value: Any) -> Any:
 def read_event(raw: Any, dialect: Dialect = "auto", media: MediaPolicy = "keep") -> KVCacheEvent:
     """One event from its decoded msgpack form, in any dialect (see the module doc).
 
-    Raises :class:`DecodeError` or an :class:`~kvstream.errors.InvalidEventError`
+    Raises `DecodeError` or an `InvalidEventError`
     naming the field, for an event no dialect can read.
     """
     wire: dict[str, Any] = {}
@@ -228,7 +228,7 @@ def _medium_out(e: BlockStored | BlockRemoved, wire: dict[str, Any]) -> str | No
 
 
 def _tokens_out(e: BlockStored, wire: dict[str, Any]) -> list[Any]:
-    """``token_ids`` as SGLang sent them: EAGLE pairs are rebuilt from ``metadata``."""
+    """`token_ids` as SGLang sent them: EAGLE pairs are rebuilt from `metadata`."""
     tokens = e.token_ids
     nxt = wire.get("token_pairs_next")
     if type(nxt) is int and tokens:
@@ -309,7 +309,7 @@ def _llm_d_removed(e: BlockRemoved) -> Any:
 _ToWire: TypeAlias = Callable[[Any], Any]
 
 #: Output profile -> {event type: converter to plain msgpack data}. The batch
-#: around them is vLLM's ``[ts, events, rank]`` for every profile.
+#: around them is vLLM's `[ts, events, rank]` for every profile.
 ENCODERS: Final[dict[str, dict[type, _ToWire]]] = {
     # SGLang since #37482: tagged maps, cache_salt/session_id when set.
     "sglang": {

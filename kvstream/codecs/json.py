@@ -1,21 +1,21 @@
 """JSON lines: kvstream's own format, one batch per line, encoded with orjson.
 
-A line is one object::
+A line is one object:
 
     {"origin": "engine-0", "epoch": "3f9c...", "seq": 12, "ts": 1767225600.125,
      "data_parallel_rank": 0, "events": [{"type": "BlockStored", ...}, ...]}
 
-Events carry ``type`` (the class name) and vLLM's field names. The fields vLLM
-always sends are always present; the optional ones (``extra_keys``,
-``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``,
-``locality``) and ``metadata`` only when set. Hash values that are ``bytes``
-are lowercase hex strings; other ``bytes`` values (inside ``extra_keys``) are
-``{"$bytes": "<hex>"}``.
+Events carry `type` (the class name) and vLLM's field names. The fields vLLM
+always sends are always present; the optional ones (`extra_keys`,
+`group_idx`, `kv_cache_spec_kind`, `kv_cache_spec_sliding_window`,
+`locality`) and `metadata` only when set. Hash values that are `bytes`
+are lowercase hex strings; other `bytes` values (inside `extra_keys`) are
+`{"$bytes": "<hex>"}`.
 
-``JsonCodec(hashes_as_strings=True)`` writes every integer hash as a decimal
+`JsonCodec(hashes_as_strings=True)` writes every integer hash as a decimal
 string, for consumers whose JSON numbers are doubles (JavaScript). Such a line
-carries ``"hash_encoding": "decimal"``, and in it a ``bytes`` hash is written
-``{"$bytes": "<hex>"}`` so the two cannot be confused. Decoders honour the key.
+carries `"hash_encoding": "decimal"`, and in it a `bytes` hash is written
+`{"$bytes": "<hex>"}` so the two cannot be confused. Decoders honour the key.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _default(value: Any) -> Any:
 
 
 def _wrap_bytes(value: Any) -> Any:
-    """Replace bytes inside ``extra_keys`` with ``{"$bytes": hex}``."""
+    """Replace bytes inside `extra_keys` with `{"$bytes": hex}`."""
     if type(value) is bytes:
         return {"$bytes": value.hex()}
     if type(value) is list:
@@ -255,7 +255,7 @@ class JsonCodec:
 
     @property
     def events_refused(self) -> int:
-        """Events :meth:`decode` / :meth:`batch_from_dict` left out of the batches they returned."""
+        """Events `decode()` / `batch_from_dict()` left out of the batches they returned."""
         return self._refusals.count
 
     def __repr__(self) -> str:
@@ -334,9 +334,9 @@ class JsonCodec:
         return d
 
     def encode(self, batch: EventBatch) -> bytes:
-        """One JSON line (ending in ``\\n``) for ``batch``.
+        """One JSON line (ending in `\\n`) for `batch`.
 
-        The same bytes as ``orjson.dumps(self.batch_to_dict(batch))`` plus the
+        The same bytes as `orjson.dumps(self.batch_to_dict(batch))` plus the
         newline, written faster (see the structs above).
         """
         decimal = self._decimal
@@ -379,17 +379,17 @@ class JsonCodec:
         return _ENCODE(line) + b"\n"
 
     def encode_screened(self, batch: EventBatch) -> tuple[bytes, tuple[Refusal, ...]]:
-        """``(encode(batch), ())``: JSON lines carry every event."""
+        """`(encode(batch), ())`: JSON lines carry every event."""
         return self.encode(batch), ()
 
     # -- decoding ---------------------------------------------------------------
 
     def decode(self, data: bytes | bytearray | memoryview | str) -> EventBatch:
-        """The batch on one line. Raises :class:`DecodeError` for anything that is not a batch.
+        """The batch on one line. Raises `DecodeError` for anything that is not a batch.
 
         Decoding is per event: an event that does not validate is left out,
-        counted in :attr:`events_refused` and logged once per burst, and the
-        rest of the batch is delivered (:meth:`decode_screened` returns them).
+        counted in `events_refused` and logged once per burst, and the
+        rest of the batch is delivered (`decode_screened()` returns them).
         """
         batch, refused = self.decode_screened(data)
         self._refusals.note(refused, batch.seq, batch.origin)
@@ -406,7 +406,7 @@ class JsonCodec:
         return self.batch_from_dict_screened(obj)
 
     def decode_keyed(self, data: bytes, *, seq: int, origin: str, epoch: str) -> EventBatch:
-        """The batch on one line, checked to be ``(origin, epoch, seq)`` (lines carry it)."""
+        """The batch on one line, checked to be `(origin, epoch, seq)` (lines carry it)."""
         batch = self.decode(data)
         if batch.key != (origin, epoch, seq):
             raise DecodeError(
@@ -415,11 +415,11 @@ class JsonCodec:
         return batch
 
     def decode_lines(self, data: bytes) -> list[EventBatch]:
-        """Every batch in ``data`` (JSON lines; blank lines are skipped).
+        """Every batch in `data` (JSON lines; blank lines are skipped).
 
-        A bad line raises :class:`DecodeError` naming its 1-based line number,
+        A bad line raises `DecodeError` naming its 1-based line number,
         and so does a line with an event that does not validate (this reads a
-        whole file of kvstream's own, as ``kvstream verify`` does, where such an
+        whole file of kvstream's own, as `kvstream verify` does, where such an
         event means damage; the streaming decoders deliver the rest instead).
         """
         out: list[EventBatch] = []
@@ -443,7 +443,7 @@ class JsonCodec:
         return batch
 
     def batch_from_dict_screened(self, obj: Any) -> tuple[EventBatch, tuple[Refusal, ...]]:
-        """:meth:`batch_from_dict` returning the refused events instead of counting them."""
+        """`batch_from_dict()` returning the refused events instead of counting them."""
         if type(obj) is not dict:
             raise DecodeError(f"expected a JSON object (a batch), got {type(obj).__name__}")
         unknown = obj.keys() - _BATCH_KEYS

@@ -1,7 +1,7 @@
-"""vLLM's msgpack wire: the batch ``[ts, events, data_parallel_rank]``, byte for byte.
+"""vLLM's msgpack wire: the batch `[ts, events, data_parallel_rank]`, byte for byte.
 
 The payload frame vLLM (and SGLang, TensorRT-LLM) publish over ZMQ is one
-msgpack array of exactly three elements (Dynamo fails on two)::
+msgpack array of exactly three elements (Dynamo fails on two):
 
     [ts, [event, ...], data_parallel_rank]
 
@@ -9,44 +9,44 @@ Events come in two profiles, both produced here with msgspec Structs that mirror
 vLLM's declarations field for field, so the bytes are the ones vLLM's own
 structs write:
 
-* ``map`` (current vLLM, the default): ``{"type": "BlockStored", ...}``. The
+* `map` (current vLLM, the default): `{"type": "BlockStored", ...}`. The
   seven fields vLLM declares without a default are always present; the later,
   optional ones only when set.
-* ``positional`` (legacy vLLM, SGLang, older llm-d decoders): an array, tag
+* `positional` (legacy vLLM, SGLang, older llm-d decoders): an array, tag
   first, then every field in declaration order, trailing nils included, laid
-  out as vLLM did before ``locality`` existed (``BlockStored`` 12 elements,
-  ``BlockRemoved`` 4). An event whose ``locality`` is set gets the later,
+  out as vLLM did before `locality` existed (`BlockStored` 12 elements,
+  `BlockRemoved` 4). An event whose `locality` is set gets the later,
   one-longer layout (13 and 5 elements) instead of losing it.
 
-``metadata`` is not part of vLLM's format: it is left out unless
-``metadata=True``, which adds it as one more map key (never in ``positional``).
+`metadata` is not part of vLLM's format: it is left out unless
+`metadata=True`, which adds it as one more map key (never in `positional`).
 
-``strict`` shapes the stream for consumers that drop what they dislike (Dynamo
-rejects bytes hashes, cannot read negative ones, and maps an unknown ``medium``
-to GPU). ``strict="refuse"`` leaves such events out of the batch;
-``strict="convert"`` turns a bytes hash into the low 64 bits of the digest (what
+`strict` shapes the stream for consumers that drop what they dislike (Dynamo
+rejects bytes hashes, cannot read negative ones, and maps an unknown `medium`
+to GPU). `strict="refuse"` leaves such events out of the batch;
+`strict="convert"` turns a bytes hash into the low 64 bits of the digest (what
 vLLM does by default) and a negative one into its unsigned 64-bit form, and
 refuses only what it cannot convert. The batch itself is never refused: its
-``seq`` stays used. :meth:`MsgpackCodec.encode_screened` returns what was
+`seq` stays used. `MsgpackCodec.encode_screened()` returns what was
 refused, so a sink can count and log it (the ZMQ sink does).
 
-Three more output profiles write the other consumers' dialects: ``sglang``,
-``sglang-positional`` and ``llm-d-2025-12``; their encoders live in
-:mod:`kvstream.codecs.dialects` and are picked by the profile dispatch in
-:class:`MsgpackCodec`'s constructor.
+Three more output profiles write the other consumers' dialects: `sglang`,
+`sglang-positional` and `llm-d-2025-12`; their encoders live in
+`kvstream.codecs.dialects` and are picked by the profile dispatch in
+[`MsgpackCodec`][kvstream.codecs.msgpack.MsgpackCodec]'s constructor.
 
-Decoding reads every engine dialect (:mod:`kvstream.codecs.dialects`: vLLM map
+Decoding reads every engine dialect (`kvstream.codecs.dialects`: vLLM map
 and positional of every historical length, SGLang map and positional,
 TensorRT-LLM's vLLM wire), batches of 2 elements (no rank) and a batch written
 as a map. It is per event: an event no dialect reads is left out and counted,
-the rest is delivered (:meth:`MsgpackCodec.decode_screened` returns the
-refusals). ``dialect=`` pins a dialect; ``media="normalize"`` maps ``medium``
-through :mod:`kvstream.media`'s table.
+the rest is delivered (`MsgpackCodec.decode_screened()` returns the
+refusals). `dialect=` pins a dialect; `media="normalize"` maps `medium`
+through `kvstream.media`'s table.
 
-msgpack carries no ``seq``, ``origin`` or ``epoch``: the transport knows them,
-so :meth:`MsgpackCodec.decode` takes them as keyword arguments (0 and "" when
+msgpack carries no `seq`, `origin` or `epoch`: the transport knows them,
+so `MsgpackCodec.decode()` takes them as keyword arguments (0 and "" when
 not given). Bytes that are not a batch at all raise
-:class:`~kvstream.errors.DecodeError` naming what was wrong, and nothing else.
+[`DecodeError`][kvstream.errors.DecodeError] naming what was wrong, and nothing else.
 """
 
 from __future__ import annotations
@@ -88,15 +88,15 @@ __all__ = [
 ]
 
 Profile: TypeAlias = Literal["map", "positional", "sglang", "sglang-positional", "llm-d-2025-12"]
-#: ``None``: write what vLLM would; ``refuse``: leave out what strict consumers
-#: reject; ``convert``: convert hashes where vLLM converts, refuse the rest.
+#: `None`: write what vLLM would; `refuse`: leave out what strict consumers
+#: reject; `convert`: convert hashes where vLLM converts, refuse the rest.
 Strictness: TypeAlias = Literal["refuse", "convert"] | None
 
 PROFILES: Final[tuple[str, ...]] = get_args(Profile)
 STRICTNESS: Final[tuple[str, ...]] = ("refuse", "convert")
 
-#: The tiers strict consumers know: every canonical name of :mod:`kvstream.media`
-#: (``STORAGE`` included) and SGLang's ``CPU_PINNED``; any other ``medium`` is
+#: The tiers strict consumers know: every canonical name of `kvstream.media`
+#: (`STORAGE` included) and SGLang's `CPU_PINNED`; any other `medium` is
 #: refused in strict mode.
 STRICT_MEDIA: Final = frozenset({*CANONICAL_MEDIA, "CPU_PINNED"})
 
@@ -112,7 +112,7 @@ _U64_MASK: Final = (1 << 64) - 1
 
 
 class _StoredFields(msgspec.Struct, gc=False):
-    """vLLM's ``BlockStored`` before ``locality``."""
+    """vLLM's `BlockStored` before `locality`."""
 
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
@@ -128,7 +128,7 @@ class _StoredFields(msgspec.Struct, gc=False):
 
 
 class _RemovedFields(msgspec.Struct, gc=False):
-    """vLLM's ``BlockRemoved`` before ``locality``."""
+    """vLLM's `BlockRemoved` before `locality`."""
 
     block_hashes: list[BlockHash]
     medium: str | None
@@ -375,13 +375,13 @@ def _short(value: object) -> str:
 
 
 def _event_type_of(raw: Any) -> str:
-    """The tag a refused event claimed, for the refusal record (``?`` when none)."""
+    """The tag a refused event claimed, for the refusal record (`?` when none)."""
     tag = raw.get("type") if type(raw) is dict else raw[0] if type(raw) is list and raw else None
     return tag if type(tag) is str and len(tag) <= 40 else "?"
 
 
 def _batch_parts(obj: Any) -> tuple[Any, Any, Any]:
-    """``(ts, events, data_parallel_rank)`` of a decoded batch, array or map."""
+    """`(ts, events, data_parallel_rank)` of a decoded batch, array or map."""
     if type(obj) is list:
         # vLLM always writes 3; some producers 2 (no rank); more is a later
         # version's addition, ignored as msgspec (vLLM's own decoder) ignores it.
@@ -406,7 +406,6 @@ def _batch_parts(obj: Any) -> tuple[Any, Any, Any]:
 class MsgpackCodec:
     """vLLM's msgpack batch; see the module doc for profiles and strictness.
 
-    ::
 
         codec = MsgpackCodec()                       # map events, as vLLM v0.26+
         codec = MsgpackCodec(profile="positional")   # tagged arrays, older readers
@@ -494,7 +493,7 @@ class MsgpackCodec:
 
     @property
     def strict_media(self) -> frozenset[str]:
-        """The ``medium`` values a strict codec lets through (besides None)."""
+        """The `medium` values a strict codec lets through (besides None)."""
         return self._media
 
     def _key(self) -> tuple[object, ...]:
@@ -502,7 +501,7 @@ class MsgpackCodec:
 
     @property
     def events_refused(self) -> int:
-        """Events :meth:`decode` left out of the batches it returned (see :meth:`decode`)."""
+        """Events `decode()` left out of the batches it returned (see `decode()`)."""
         return self._refusals.count
 
     def __eq__(self, other: object) -> bool:
@@ -525,7 +524,7 @@ class MsgpackCodec:
     # -- encoding ---------------------------------------------------------------------
 
     def encode(self, batch: EventBatch) -> bytes:
-        """The payload frame of ``batch``: ``[ts, events, data_parallel_rank]``."""
+        """The payload frame of `batch`: `[ts, events, data_parallel_rank]`."""
         if self.strict is not None:
             return self.encode_screened(batch)[0]
         to_wire = self._to_wire
@@ -566,9 +565,9 @@ class MsgpackCodec:
         return _ENCODE(_WireBatch(batch.ts, events, batch.data_parallel_rank))
 
     def encode_screened(self, batch: EventBatch) -> tuple[bytes, tuple[Refusal, ...]]:
-        """Encode ``batch`` through the strict screen; return the bytes and what was refused.
+        """Encode `batch` through the strict screen; return the bytes and what was refused.
 
-        Without ``strict`` nothing is refused (the same bytes as :meth:`encode`).
+        Without `strict` nothing is refused (the same bytes as `encode()`).
         """
         if self.strict is None:
             return self.encode(batch), ()
@@ -649,12 +648,12 @@ class MsgpackCodec:
         origin: str = "",
         epoch: str = "",
     ) -> EventBatch:
-        """The batch in one payload frame; ``seq``/``origin``/``epoch`` come from the transport.
+        """The batch in one payload frame; `seq`/`origin`/`epoch` come from the transport.
 
         Decoding is per event: an event no dialect reads is left out of the
-        batch, counted in :attr:`events_refused` and logged once per burst, and
-        the rest is delivered (:meth:`decode_screened` returns the refusals).
-        Raises :class:`DecodeError` (and nothing else) for bytes that are not a
+        batch, counted in `events_refused` and logged once per burst, and
+        the rest is delivered (`decode_screened()` returns the refusals).
+        Raises `DecodeError` (and nothing else) for bytes that are not a
         batch at all.
         """
         batch, refused = self.decode_screened(data, seq=seq, origin=origin, epoch=epoch)
@@ -750,7 +749,7 @@ class MsgpackCodec:
 
 
 def _normalized(e: KVCacheEvent) -> KVCacheEvent:
-    """``e`` with its ``medium`` in canonical spelling, the raw one kept in metadata."""
+    """`e` with its `medium` in canonical spelling, the raw one kept in metadata."""
     medium = getattr(e, "medium", None)
     if medium is None:
         return e
@@ -773,12 +772,12 @@ _DECODE_ANY: Final = msgspec.msgpack.Decoder().decode
 
 
 def codec_from_options(opts: Options) -> MsgpackCodec:
-    """The codec a URL's options describe (``kvstream.config``'s ``_CODECS`` entry).
+    """The codec a URL's options describe (`kvstream.config`'s `_CODECS` entry).
 
-    ``profile=map|positional|sglang|sglang-positional|llm-d-2025-12``,
-    ``metadata=true|false``, ``strict=refuse|convert|off``,
-    ``strict_media=GPU,CPU,...``, ``dialect=auto|vllm|sglang``,
-    ``media=keep|normalize``.
+    `profile=map|positional|sglang|sglang-positional|llm-d-2025-12`,
+    `metadata=true|false`, `strict=refuse|convert|off`,
+    `strict_media=GPU,CPU,...`, `dialect=auto|vllm|sglang`,
+    `media=keep|normalize`.
     """
     profile = opts.pop_choice("profile", PROFILES, "map")
     dialect = opts.pop_choice("dialect", DIALECTS, "auto")

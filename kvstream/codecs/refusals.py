@@ -1,9 +1,9 @@
 """Counting the events a decoder refused, and logging them once per burst.
 
 Decoding is per event: an event no dialect reads is left out of its batch and
-the rest is delivered. A decoder's plain ``decode()`` notes what it left out
+the rest is delivered. A decoder's plain `decode()` notes what it left out
 here, so the count is never lost; a consumer that wants the refusals
-themselves calls ``decode_screened()`` instead.
+themselves calls `decode_screened()` instead.
 """
 
 from __future__ import annotations

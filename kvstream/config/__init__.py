@@ -1,20 +1,20 @@
 """The one place where URLs become objects: sinks, subscribers and codecs.
 
-Sink URLs (every one also takes ``?policy=block|drop_oldest|drop_newest``,
-``max_bytes=64MiB``, ``max_batches=N``, ``codec=json|msgpack``, ``name=...``)::
+Sink URLs (every one also takes `?policy=block|drop_oldest|drop_newest`,
+`max_bytes=64MiB`, `max_batches=N`, `codec=json|msgpack`, `name=...`):
 
     -                         JSON lines on standard output
     file:PATH  file://PATH    JSON lines appended to PATH (a bare path works too);
                               ?rotate_bytes=64MiB&rotate_seconds=3600&keep=10 rotate it
     memory:                   a MemorySink (tests, examples)
 
-and ``tcp://HOST:PORT``, ``unix:PATH``, ``zmq+tcp://...``, ``zmq+ipc://...``,
-``nats://...``, ``redis://...``. An option a sink does not know is an error
+and `tcp://HOST:PORT`, `unix:PATH`, `zmq+tcp://...`, `zmq+ipc://...`,
+`nats://...`, `redis://...`. An option a sink does not know is an error
 that names it; so is a malformed value. Installed plug-ins add schemes and
-codecs through entry points (:mod:`kvstream.config.registry`).
+codecs through entry points (`kvstream.config.registry`).
 
 Integrations are imported only when their scheme is used, so a missing extra
-says which ``pip install 'kvstream-events[...]'`` fixes it.
+says which `pip install 'kvstream-events[...]'` fixes it.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ _UNITS: Final = {
 
 
 def parse_size(text: str, what: str = "size") -> int:
-    """``"64MiB"`` -> 67108864. Plain numbers are bytes."""
+    """`"64MiB"` -> 67108864. Plain numbers are bytes."""
     m = _SIZE.match(text)
     unit = (m.group(2) or "").lower() if m else None
     if m is None or unit not in _UNITS:
@@ -90,7 +90,7 @@ class ParsedURL:
 
     @property
     def address(self) -> str:
-        """``host:port`` (IPv6 hosts in brackets)."""
+        """`host:port` (IPv6 hosts in brackets)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}" if self.port is not None else host
 
@@ -167,7 +167,7 @@ class Options:
 
 
 def parse_url(url: str) -> ParsedURL:
-    """Split a sink/source URL. ``-`` and bare paths are files."""
+    """Split a sink/source URL. `-` and bare paths are files."""
     if not isinstance(url, str) or not url.strip():
         raise ConfigError(f"URL: expected a non-empty string, got {url!r}")
     if url == "-":
@@ -201,7 +201,7 @@ def parse_url(url: str) -> ParsedURL:
 def make_codec(
     name: str, options: Options | None = None, *, registry: Registry | None = None
 ) -> Codec:
-    """Build a codec by name (``json``, ``msgpack``, or a plug-in's), taking its options."""
+    """Build a codec by name (`json`, `msgpack`, or a plug-in's), taking its options."""
     opts = options or Options(name, {})
     what = "codec" if options is None else f"{options.url}: option codec"
     factory = (registry or Registry.default()).factory("codec", name, what)
@@ -213,9 +213,9 @@ def open_sink(
 ) -> Sink:
     """Build the sink a URL describes (not yet opened: enter it or add it to a scheduler).
 
-    ``codecs`` lets several URLs share codec instances (so a batch is encoded
-    once per distinct codec configuration). ``registry`` says which schemes
-    exist (default: :meth:`Registry.default`, kvstream's own and every installed
+    `codecs` lets several URLs share codec instances (so a batch is encoded
+    once per distinct codec configuration). `registry` says which schemes
+    exist (default: `Registry.default()`, kvstream's own and every installed
     plug-in's).
     """
     registry = registry or Registry.default()
@@ -243,7 +243,7 @@ def open_sink(
 
 
 def open_subscriber(url: str, *, registry: Registry | None = None, **kwargs: Any) -> Subscriber:
-    """Build the subscriber a URL describes (``from_seq=``, ``follow=`` where supported)."""
+    """Build the subscriber a URL describes (`from_seq=`, `follow=` where supported)."""
     parsed = parse_url(url)
     opts = Options(url, parsed.options)
     factory = (registry or Registry.default()).factory("subscriber", parsed.scheme, url)
@@ -255,14 +255,14 @@ def open_subscriber(url: str, *, registry: Registry | None = None, **kwargs: Any
 def subscribe(
     url: str, from_seq: int | Mapping[str, int] | None = None, **kwargs: Any
 ) -> Subscriber:
-    """A subscriber for any URL :func:`open_subscriber` knows, from ``from_seq`` on::
+    """A subscriber for any URL `open_subscriber()` knows, from `from_seq` on:
 
         async with kvstream.subscribe("tcp://127.0.0.1:5600", from_seq=0) as sub:
             async for item in sub:   # EventBatch or Gap, in order per origin
                 ...
 
-    ``from_seq=None`` means live batches only (for a file: from its start).
-    Other keyword arguments go to the subscriber (``follow=True`` for a file).
+    `from_seq=None` means live batches only (for a file: from its start).
+    Other keyword arguments go to the subscriber (`follow=True` for a file).
     """
     if from_seq is not None:
         kwargs["from_seq"] = from_seq

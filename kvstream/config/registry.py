@@ -1,8 +1,8 @@
 """Which URL scheme builds which sink or subscriber, and which name which codec.
 
-A :class:`Registry` maps names to factories. kvstream's own transports are
+A `Registry` maps names to factories. kvstream's own transports are
 built in; an installed package adds its own through an entry point, with no
-change to kvstream::
+change to kvstream:
 
     # the plug-in's pyproject.toml
     [project.entry-points."kvstream.sinks"]
@@ -12,19 +12,19 @@ change to kvstream::
     def sink_from_url(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink:
         return SqliteSink(parsed.path, **common)
 
-Then ``kvstream demo --sink sqlite:/tmp/kv.db`` (and ``relay``, ``tail``,
-``bench``, :func:`kvstream.config.open_sink`) accept ``sqlite:`` URLs. The groups
-are ``kvstream.sinks`` (factories ``(ParsedURL, Options, common) -> Sink``, where
-``common`` holds ``policy``, ``max_bytes``, ``max_batches`` and maybe ``codec`` and
-``name``, to pass to the sink's constructor), ``kvstream.subscribers``
-(``(ParsedURL, Options, kwargs) -> Subscriber``) and ``kvstream.codecs``
-(``(Options) -> Codec``). A factory takes the options it knows from ``opts``
-(``opts.pop_int("batch", 100)``, ...); any option left over is an error naming it.
+Then `kvstream demo --sink sqlite:/tmp/kv.db` (and `relay`, `tail`,
+`bench`, `kvstream.config.open_sink()`) accept `sqlite:` URLs. The groups
+are `kvstream.sinks` (factories `(ParsedURL, Options, common) -> Sink`, where
+`common` holds `policy`, `max_bytes`, `max_batches` and maybe `codec` and
+`name`, to pass to the sink's constructor), `kvstream.subscribers`
+(`(ParsedURL, Options, kwargs) -> Subscriber`) and `kvstream.codecs`
+(`(Options) -> Codec`). A factory takes the options it knows from `opts`
+(`opts.pop_int("batch", 100)`, ...); any option left over is an error naming it.
 
 Entry points are read when a registry is made and imported only when their name
 is used, so one broken plug-in cannot break the others; a plug-in cannot take
 over a built-in name (it is ignored, with a warning). A registry can also be
-built by hand and passed in (``open_sink(url, registry=...)``), which is how
+built by hand and passed in (`open_sink(url, registry=...)`), which is how
 tests and embedders add a scheme without installing anything.
 """
 
@@ -75,7 +75,7 @@ _NAME = re.compile(r"^[a-z][a-z0-9+.-]*$")
 
 @dataclass(frozen=True)
 class _Entry:
-    """A factory, or where to import it from (``"module:function"``) on first use."""
+    """A factory, or where to import it from (`"module:function"`) on first use."""
 
     target: str | Callable[..., Any]
     #: The extra that installs what the module needs (named when the import fails).
@@ -142,9 +142,9 @@ _DISCOVERED: dict[tuple[str, ...], dict[Kind, dict[str, _Entry]]] = {}
 class Registry:
     """Names to factories, for sinks (by URL scheme), subscribers and codecs.
 
-    Immutable: :meth:`with_sink` and friends return a new registry. Use
-    :meth:`default` (kvstream's own plus every installed plug-in) or
-    :meth:`builtin` (kvstream's own only).
+    Immutable: `with_sink()` and friends return a new registry. Use
+    `default()` (kvstream's own plus every installed plug-in) or
+    `builtin()` (kvstream's own only).
     """
 
     __slots__ = ("_tables",)
@@ -169,7 +169,7 @@ class Registry:
 
     @classmethod
     def default(cls) -> Registry:
-        """The built-ins plus the plug-ins installed where ``sys.path`` reaches."""
+        """The built-ins plus the plug-ins installed where `sys.path` reaches."""
         registry = cls.builtin()
         for kind, found in _entry_points().items():
             table = registry._tables[kind]
@@ -203,27 +203,27 @@ class Registry:
         return new
 
     def with_sink(self, scheme: str, factory: SinkFactory) -> Registry:
-        """A registry that also builds ``scheme:`` sinks with ``factory``."""
+        """A registry that also builds `scheme:` sinks with `factory`."""
         return self._with("sink", scheme, factory)
 
     def with_subscriber(self, scheme: str, factory: SubscriberFactory) -> Registry:
-        """A registry that also reads ``scheme:`` URLs with ``factory``."""
+        """A registry that also reads `scheme:` URLs with `factory`."""
         return self._with("subscriber", scheme, factory)
 
     def with_codec(self, name: str, factory: CodecFactory) -> Registry:
-        """A registry that also knows ``codec=name``."""
+        """A registry that also knows `codec=name`."""
         return self._with("codec", name, factory)
 
     def names(self, kind: Kind) -> tuple[str, ...]:
-        """The names known for ``kind``, sorted."""
+        """The names known for `kind`, sorted."""
         return tuple(sorted(self._tables[kind]))
 
     def provider(self, kind: Kind, name: str) -> str:
-        """Who provides ``name``: ``kvstream``, a distribution, or ``registered``."""
+        """Who provides `name`: `kvstream`, a distribution, or `registered`."""
         return self._entry(kind, name, name).provider
 
     def factory(self, kind: Kind, name: str, what: str) -> Callable[..., Any]:
-        """The factory for ``name`` (imported on first use); ``what`` prefixes errors."""
+        """The factory for `name` (imported on first use); `what` prefixes errors."""
         return self._entry(kind, name, what).load(kind, name)
 
     def _entry(self, kind: Kind, name: str, what: str) -> _Entry:

@@ -1,18 +1,18 @@
-"""What every consumer shares: continuity per ``(origin, epoch)`` and the client shape.
+"""What every consumer shares: continuity per `(origin, epoch)` and the client shape.
 
 Every transport's subscriber (socket, ZMQ, NATS, Redis, a file being followed) is
-a :class:`Subscriber`: an async context manager and an async iterator of
-:class:`EventBatch` and :class:`Gap` items, in order per origin. Gaps it could
-not repair are reported as :class:`Gap` items, never hidden.
+a `Subscriber`: an async context manager and an async iterator of
+`EventBatch` and `Gap` items, in order per origin. Gaps it could
+not repair are reported as [`Gap`][kvstream.consumers.base.Gap] items, never hidden.
 
-:class:`SequenceTracker` is the one place the continuity rule is written:
+`SequenceTracker` is the one place the continuity rule is written:
 
-* the first batch of an ``(origin, epoch)`` starts it (a consumer that joins
-  late starts where it joins, unless it asked for an earlier ``from_seq``);
-* ``seq == expected`` is the next batch; ``seq < expected`` is a duplicate
-  (dropped); ``seq > expected`` is a gap ``[expected, seq)``;
+* the first batch of an `(origin, epoch)` starts it (a consumer that joins
+  late starts where it joins, unless it asked for an earlier `from_seq`);
+* `seq == expected` is the next batch; `seq < expected` is a duplicate
+  (dropped); `seq > expected` is a gap `[expected, seq)`;
 * a new epoch of an origin means the producer restarted: everything it held is
-  gone, and its ``seq 0`` is never mistaken for a duplicate.
+  gone, and its `seq 0` is never mistaken for a duplicate.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ __all__ = [
 
 
 class Gap(NamedTuple):
-    """Batches ``[first_missing, next_seq)`` of ``(origin, epoch)`` were not received."""
+    """Batches `[first_missing, next_seq)` of `(origin, epoch)` were not received."""
 
     origin: str
     epoch: str
@@ -75,18 +75,18 @@ class SequenceTracker:
         self.missing = 0
 
     def expect(self, origin: str, epoch: str, next_seq: int) -> None:
-        """Start ``origin`` at a known position (resume from a saved ``seq``)."""
+        """Start `origin` at a known position (resume from a saved `seq`)."""
         self._expected[origin] = (epoch, next_seq)
 
     def position(self, origin: str) -> tuple[str, int] | None:
-        """``(epoch, next expected seq)`` of ``origin``, or None if never seen."""
+        """`(epoch, next expected seq)` of `origin`, or None if never seen."""
         return self._expected.get(origin)
 
     def origins(self) -> dict[str, tuple[str, int]]:
         return dict(self._expected)
 
     def check(self, batch: EventBatch) -> tuple[Continuity, Gap | None]:
-        """Classify ``batch`` and advance. Returns the gap before it, if any."""
+        """Classify `batch` and advance. Returns the gap before it, if any."""
         origin = batch.origin
         seq = batch.seq
         known = self._expected.get(origin)
@@ -113,8 +113,8 @@ class SequenceTracker:
 class Subscriber(ABC):
     """A client that reads batches back from a transport.
 
-    ``async with open_subscriber(url) as sub: async for item in sub: ...`` where an
-    item is an :class:`EventBatch` or a :class:`Gap`. Implementations reconnect
+    `async with open_subscriber(url) as sub: async for item in sub: ...` where an
+    item is an `EventBatch` or a `Gap`. Implementations reconnect
     with backoff and resume after the last batch they delivered.
     """
 
@@ -156,8 +156,8 @@ class Liveness(NamedTuple):
 
 
 class LivenessChange(NamedTuple):
-    """An origin's publisher went silent for two heartbeat intervals (``gone``), came
-    back in the same epoch (``back``), or came back with a new epoch (``restarted``:
+    """An origin's publisher went silent for two heartbeat intervals (`gone`), came
+    back in the same epoch (`back`), or came back with a new epoch (`restarted`:
     everything it held is gone; a new epoch's batches say so too)."""
 
     origin: str
@@ -177,11 +177,11 @@ class _Heard:
 
 
 class LivenessTracker:
-    """Sans-IO: who was heard from when; see :class:`LivenessChange` for what it reports.
+    """Sans-IO: who was heard from when; see `LivenessChange` for what it reports.
 
-    The contract: a publisher that sends heartbeats every ``interval`` seconds
+    The contract: a publisher that sends heartbeats every `interval` seconds
     while idle is **gone** once nothing (no batch, no heartbeat) was heard from it
-    for ``2 * interval``. :meth:`check` finds those; subscribers call it at least
+    for `2 * interval`. `check()` finds those; subscribers call it at least
     once per read (a read waits at most their poll interval).
     """
 
@@ -194,7 +194,7 @@ class LivenessTracker:
     def heard(
         self, origin: str, epoch: str, seq: int, interval: float | None = None
     ) -> list[LivenessChange]:
-        """A batch (``interval`` None) or a heartbeat of ``origin``."""
+        """A batch (`interval` None) or a heartbeat of `origin`."""
         now = self._clock()
         known = self._origins.get(origin)
         if known is None:
@@ -228,7 +228,7 @@ class LivenessTracker:
         self._origins.pop(origin, None)
 
     def snapshot(self) -> dict[str, Liveness]:
-        """``{origin: Liveness}`` as of now."""
+        """`{origin: Liveness}` as of now."""
         now = self._clock()
         return {
             o: Liveness(o, k.epoch, k.last_seq, k.interval, k.alive, now - k.when)

@@ -1,40 +1,40 @@
 """What the NATS and Redis subscribers share: lifetime, backoff, where to start, continuity.
 
 Both read a broker that keeps history, one message per batch with the batch's
-name beside its payload (:mod:`kvstream.wire.broker`). They differ in how they
+name beside its payload (`kvstream.wire.broker`). They differ in how they
 connect, fetch and acknowledge; the rest is written here once:
 
-* **where to start**: ``from_seq`` (an int, or ``{origin: seq}`` with ``"*"``
+* **where to start**: `from_seq` (an int, or `{origin: seq}` with `"*"`
   for the others) skips, in the first epoch seen of each origin, the batches
-  below it; then the :class:`~kvstream.consumers.base.SequenceTracker` drops
-  repeats and reports gaps (:meth:`BrokerSubscriber._admit`);
-* **backoff**: a failed read waits ``retry_initial`` seconds, doubling up to
-  ``retry_max``, and an outage is logged twice: when it starts and when
-  reading works again (:class:`Backoff`);
-* **lifetime**: ``async with`` connects (a failure to start is raised as it
-  is), iteration runs one reading generator, and :meth:`BrokerSubscriber.aclose`
+  below it; then the [`SequenceTracker`][kvstream.consumers.base.SequenceTracker] drops
+  repeats and reports gaps (`BrokerSubscriber._admit()`);
+* **backoff**: a failed read waits `retry_initial` seconds, doubling up to
+  `retry_max`, and an outage is logged twice: when it starts and when
+  reading works again (`Backoff`);
+* **lifetime**: `async with` connects (a failure to start is raised as it
+  is), iteration runs one reading generator, and `BrokerSubscriber.aclose()`
   ends that generator (so it can acknowledge what was handed over) and closes
   the connection, even when the graceful part fails;
-* **snapshots** (where the sink publishes them, see ``docs/recovery.md``): on
+* **snapshots** (where the sink publishes them, see `docs/recovery.md`): on
   a cold start the subscriber delivers the newest snapshot of every origin its
   subject or stream covers, each as one
-  :class:`~kvstream.consumers.socket.SnapshotBatch`, and reads the stream from
+  [`SnapshotBatch`][kvstream.consumers.socket.SnapshotBatch], and reads the stream from
   the oldest of their positions, dropping what each snapshot already holds;
-  and when an origin's batches jump (a :class:`Gap`, or the first batch seen
+  and when an origin's batches jump (a [`Gap`][kvstream.consumers.base.Gap], or the first batch seen
   of an epoch is not seq 0) and its newest snapshot covers the jump, the
   snapshot is delivered instead of the gap and reading goes on exactly after
-  it. A gap no snapshot covers is reported as before. ``snapshots=None`` (the
+  it. A gap no snapshot covers is reported as before. `snapshots=None` (the
   default) turns this on unless the reader asked for a position of its own
-  (``from_seq``, a durable consumer, a Redis group);
-* **liveness** (``heartbeats=True``, where the sink sends heartbeats): every
+  (`from_seq`, a durable consumer, a Redis group);
+* **liveness** (`heartbeats=True`, where the sink sends heartbeats): every
   batch and heartbeat of an origin is a sign of life; an origin that announced
   a heartbeat interval and was not heard from for two of them is reported
-  ``gone`` (and ``back`` or ``restarted`` when it is heard again), to the
-  ``on_liveness`` callback, in the log, and in :meth:`BrokerSubscriber.liveness`,
-  so an index can expire it (:meth:`~kvstream.index.prefix.PrefixIndex.mark_stale`
-  or ``forget``). The check runs while the subscriber is read (each read waits
+  `gone` (and `back` or `restarted` when it is heard again), to the
+  `on_liveness` callback, in the log, and in `BrokerSubscriber.liveness()`,
+  so an index can expire it ([`mark_stale()`][kvstream.index.prefix.PrefixIndex.mark_stale]
+  or `forget`). The check runs while the subscriber is read (each read waits
   at most its poll interval);
-* the URL options every broker subscriber takes (:func:`reader_options`).
+* the URL options every broker subscriber takes (`reader_options()`).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ ClientT = TypeVar("ClientT")
 
 
 class ReaderOptions(TypedDict, total=False):
-    """The keyword arguments every broker subscriber takes (see :class:`BrokerSubscriber`)."""
+    """The keyword arguments every broker subscriber takes (see `BrokerSubscriber`)."""
 
     follow: bool
     from_seq: FromSeq
@@ -98,10 +98,10 @@ class ReaderOptions(TypedDict, total=False):
 
 
 class Backoff:
-    """Waits between failed attempts: ``initial`` seconds, doubling up to ``maximum``.
+    """Waits between failed attempts: `initial` seconds, doubling up to `maximum`.
 
-    The first failure of an outage is logged at WARNING (``<where>: <error>;
-    <retrying> with backoff``), the ones after it are only counted, and the
+    The first failure of an outage is logged at WARNING (`<where>: <error>;
+    <retrying> with backoff`), the ones after it are only counted, and the
     first success after them logs how many attempts failed.
     """
 
@@ -117,7 +117,7 @@ class Backoff:
         self.failures = 0
 
     async def wait(self, exc: Exception) -> None:
-        """Count the failure ``exc`` and sleep before the next attempt."""
+        """Count the failure `exc` and sleep before the next attempt."""
         if self.failures == 0:
             log.warning("%s: %s; %s with backoff", self.where, exc, self.retrying)
         self.failures += 1
@@ -133,18 +133,18 @@ class Backoff:
 
 
 class BrokerSubscriber(Subscriber, Generic[ClientT]):
-    """The broker-independent part of :class:`~kvstream.consumers.nats.NatsSubscriber`
-    and :class:`~kvstream.consumers.redis.RedisSubscriber`.
+    """The broker-independent part of [`NatsSubscriber`][kvstream.consumers.nats.NatsSubscriber]
+    and [`RedisSubscriber`][kvstream.consumers.redis.RedisSubscriber].
 
-    ``url`` is what the client connects to, ``shown`` the same without
-    credentials (for messages). ``follow=False`` stops once the subscriber has
-    caught up. ``codec`` decodes messages that do not name their codec
-    (default JSON). See the module doc for ``from_seq``, ``retry_initial`` and
-    ``retry_max``.
+    `url` is what the client connects to, `shown` the same without
+    credentials (for messages). `follow=False` stops once the subscriber has
+    caught up. `codec` decodes messages that do not name their codec
+    (default JSON). See the module doc for `from_seq`, `retry_initial` and
+    `retry_max`.
 
-    A subclass connects in :meth:`_connect` (setting ``_client``), closes in
-    :meth:`_disconnect`, and reads in :meth:`_read`, an async generator that
-    turns each decoded batch into items with :meth:`_admit`.
+    A subclass connects in `_connect()` (setting `_client`), closes in
+    `_disconnect()`, and reads in `_read()`, an async generator that
+    turns each decoded batch into items with `_admit()`.
     """
 
     def __init__(
@@ -199,30 +199,30 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
 
     @abstractmethod
     async def _connect(self) -> None:
-        """Connect and set ``_client``; raise a :class:`KVStreamError` on failure."""
+        """Connect and set `_client`; raise a `KVStreamError` on failure."""
 
     @abstractmethod
     async def _disconnect(self) -> None:
-        """Forget ``_client`` (and what hangs on it) and close it, without raising."""
+        """Forget `_client` (and what hangs on it) and close it, without raising."""
 
     @abstractmethod
     def _read(self) -> AsyncGenerator[SubscriberItem, None]:
-        """The items, in stream order; the generator :meth:`__aiter__` returns."""
+        """The items, in stream order; the generator `__aiter__()` returns."""
 
     def _interrupt(self) -> None:
-        """Stop a wait another task may be in, at :meth:`aclose` (by default nothing)."""
+        """Stop a wait another task may be in, at `aclose()` (by default nothing)."""
 
     async def _snapshot_heads(
         self, client: ClientT, origin: str | None
     ) -> list[tuple[SnapshotInfo, Any]]:
-        """The newest stored snapshot of ``origin`` (None: of every origin), as its info and
-        whatever :meth:`_snapshot_envelope` needs to fetch it. By default none."""
+        """The newest stored snapshot of `origin` (None: of every origin), as its info and
+        whatever `_snapshot_envelope()` needs to fetch it. By default none."""
         return []
 
     async def _snapshot_envelope(
         self, client: ClientT, info: SnapshotInfo, where: Any
     ) -> bytes | None:
-        """The envelope of a snapshot :meth:`_snapshot_heads` named (None: gone meanwhile)."""
+        """The envelope of a snapshot `_snapshot_heads()` named (None: gone meanwhile)."""
         return None
 
     def _covers(self, info: SnapshotInfo) -> bool:
@@ -236,7 +236,7 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
     # -- liveness -------------------------------------------------------------------
 
     def liveness(self) -> dict[str, Liveness]:
-        """``{origin: Liveness}``: who was heard from when, and who is gone."""
+        """`{origin: Liveness}`: who was heard from when, and who is gone."""
         return self.liveness_tracker.snapshot()
 
     def _on_heartbeat(self, hb: Heartbeat) -> None:
@@ -303,18 +303,18 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
         return self._closed  # a call, so that type checkers do not assume it unchanged
 
     def _backoff(self, retrying: str) -> Backoff:
-        """A fresh :class:`Backoff` for one reading loop."""
+        """A fresh `Backoff` for one reading loop."""
         return Backoff(self._retry_initial, self._retry_max, self.shown, retrying)
 
     # -- from a decoded batch to items --------------------------------------------------
 
     def _admit(self, batch: EventBatch, position: Any = None) -> list[SubscriberItem]:
-        """``batch`` and the gap before it, if any; [] when it is skipped or a repeat.
+        """`batch` and the gap before it, if any; [] when it is skipped or a repeat.
 
-        ``position`` is the batch's place in the stream (as :meth:`_position`
+        `position` is the batch's place in the stream (as `_position()`
         makes them). When snapshots are on, a batch at or before its origin's
         delivered snapshot is skipped (it is in the snapshot, or of an older
-        epoch), and a batch that shows a jump is remembered for :meth:`_repair`,
+        epoch), and a batch that shows a jump is remembered for `_repair()`,
         which the reading loop awaits before yielding.
         """
         covered = self._covered.get(batch.origin) if self._covered else None
@@ -337,7 +337,7 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
         return [gap, batch] if gap is not None else [batch]
 
     async def _repair(self, items: list[SubscriberItem]) -> list[SubscriberItem]:
-        """``items``, or the snapshot that covers the jump they show and what follows it."""
+        """`items`, or the snapshot that covers the jump they show and what follows it."""
         jumped, self._jumped = self._jumped, None
         client = self._client
         if jumped is None or client is None:
@@ -421,7 +421,7 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
 
 
 def as_snapshot_batch(batch: EventBatch, first_missing: int) -> SnapshotBatch:
-    """``batch`` (a snapshot encoded as the batch ``resume_seq - 1``) as a :class:`SnapshotBatch`.
+    """`batch` (a snapshot encoded as the batch `resume_seq - 1`) as a `SnapshotBatch`.
 
     One snapshot type for every transport: the socket subscriber's.
     """
@@ -434,10 +434,10 @@ def as_snapshot_batch(batch: EventBatch, first_missing: int) -> SnapshotBatch:
 
 
 def reader_options(opts: Options, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` with the URL options every broker subscriber takes.
+    """`kwargs` with the URL options every broker subscriber takes.
 
-    ``codec`` (and that codec's own options), ``follow``, ``from_seq``,
-    ``connect_timeout``, ``snapshots`` and ``heartbeats``; a URL's value wins over
+    `codec` (and that codec's own options), `follow`, `from_seq`,
+    `connect_timeout`, `snapshots` and `heartbeats`; a URL's value wins over
     the caller's.
     """
     from kvstream.config import make_codec

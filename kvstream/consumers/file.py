@@ -1,4 +1,4 @@
-"""Reading a JSON-lines file back: once, or following it as it grows (``tail -f``)."""
+"""Reading a JSON-lines file back: once, or following it as it grows (`tail -f`)."""
 
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ log = logging.getLogger("kvstream.consumers")
 class FileSubscriber(Subscriber):
     """Batches from a JSON-lines file, with gaps and restarts reported.
 
-    ``follow=True`` keeps reading as the file grows, and across rotation: when
+    `follow=True` keeps reading as the file grows, and across rotation: when
     the file is replaced it finishes the old one, then reads the files a
-    :class:`~kvstream.FileSink` rotated in between (``events.000042.jsonl``,
-    found by :func:`~kvstream.sinks.rotation.rotated_files`), then the new one.
-    ``from_seq`` skips batches of the first epoch seen below that sequence
+    [`FileSink`][kvstream.sinks.file.FileSink] rotated in between (`events.000042.jsonl`,
+    found by [`rotated_files()`][kvstream.sinks.rotation.rotated_files]), then the new one.
+    `from_seq` skips batches of the first epoch seen below that sequence
     number. A line that does not decode is skipped, counted
-    in :attr:`bad_lines` and logged; it never stops the reader.
+    in `bad_lines` and logged; it never stops the reader.
     """
 
     def __init__(
@@ -146,11 +146,11 @@ class FileSubscriber(Subscriber):
 
 
 def _after(path: str, inode: int) -> str | None:
-    """The rotated file written after the one with ``inode``; None: ``path`` itself.
+    """The rotated file written after the one with `inode`; None: `path` itself.
 
-    When the file with ``inode`` is not among the rotated files (rotated by
+    When the file with `inode` is not among the rotated files (rotated by
     another tool, or already deleted by retention), the reader goes on with
-    ``path``; what it missed shows as a gap.
+    `path`; what it missed shows as a gap.
     """
     names = [name for _, name in rotated_files(path)]
     for i, name in enumerate(names):

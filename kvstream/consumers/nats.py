@@ -1,34 +1,34 @@
 """Reading batches back from NATS JetStream with a pull consumer.
 
-``nats://HOST:PORT/SUBJECT?durable=NAME`` (nats-py, extra ``nats``). The
-subscriber pulls messages of ``SUBJECT`` (default ``kv.events.>``: every
+`nats://HOST:PORT/SUBJECT?durable=NAME` (nats-py, extra `nats`). The
+subscriber pulls messages of `SUBJECT` (default `kv.events.>`: every
 origin) in stream order, turns each back into its batch (codec from the
-``Kv-Codec`` header, name from the ``Kv-*`` headers, see
-:mod:`kvstream.wire.broker`), checks continuity per ``(origin, epoch)`` and
-yields batches and :class:`~kvstream.consumers.base.Gap` items.
+`Kv-Codec` header, name from the `Kv-*` headers, see
+`kvstream.wire.broker`), checks continuity per `(origin, epoch)` and
+yields batches and [`Gap`][kvstream.consumers.base.Gap] items.
 
 Acknowledgement: a message is acked once the caller has taken its batch and
-asked for the next item, and on a clean :meth:`NatsSubscriber.aclose` (the
+asked for the next item, and on a clean `NatsSubscriber.aclose()` (the
 last batch handed over counts as consumed). A crash therefore re-delivers at
 most the batches not yet acked: delivery is at least once, and within one
 subscriber the tracker drops the repeats.
 
-Where a new consumer starts is ``deliver`` (``all``, ``new`` or ``last``);
-by default, as :func:`kvstream.config.subscribe` promises, live batches only
-(``new``) unless the reader gives a ``from_seq`` (then ``all``, skipping each
-origin's batches below it). With ``durable=NAME`` the consumer lives on the
+Where a new consumer starts is `deliver` (`all`, `new` or `last`);
+by default, as `kvstream.config.subscribe()` promises, live batches only
+(`new`) unless the reader gives a `from_seq` (then `all`, skipping each
+origin's batches below it). With `durable=NAME` the consumer lives on the
 server and a restarted subscriber resumes after the last batch acked under
-that name, whatever ``deliver`` says. Every independent reader (each router)
+that name, whatever `deliver` says. Every independent reader (each router)
 needs its own name; readers sharing one share the messages. Without a durable
 name the consumer is ephemeral. Either way, when the server goes away the
 subscriber reconnects with backoff and continues after the last message it
 handed over.
 
-Snapshots (see :mod:`kvstream.consumers.broker`): read from the stream
-``snapshot_stream`` (default ``KV_SNAPSHOTS``) that a :class:`~kvstream.sinks.nats.NatsSink`
-with ``snapshot_every``/``snapshot_interval`` writes. On a cold start with
+Snapshots (see `kvstream.consumers.broker`): read from the stream
+`snapshot_stream` (default `KV_SNAPSHOTS`) that a [`NatsSink`][kvstream.sinks.nats.NatsSink]
+with `snapshot_every`/`snapshot_interval` writes. On a cold start with
 snapshots found, the consumer starts at the stream sequence after the oldest
-snapshot's position, whatever ``deliver`` says. Not with ``durable``: a durable
+snapshot's position, whatever `deliver` says. Not with `durable`: a durable
 consumer resumes a position of its own, which a snapshot would contradict.
 """
 
@@ -81,16 +81,16 @@ _EPHEMERAL_IDLE: Final = 60.0
 class NatsSubscriber(BrokerSubscriber["Client"]):
     """Batches from a JetStream stream, in order, with gaps reported.
 
-    ``subject``: the filter (wildcards allowed; default ``kv.events.>``).
-    ``stream``: the stream to read (None: the one covering the subject).
-    ``durable``: consumer name to resume from; None for an ephemeral consumer.
-    ``deliver``: where a new consumer starts (default ``new``, or ``all`` when
-    ``from_seq`` is given). ``from_seq`` (an int, or ``{origin: seq}`` with
-    ``"*"`` for the others) skips, in the first epoch seen of each origin, the
-    batches below it. ``follow=False`` stops once the subscriber has caught up
-    with the stream. ``codec`` decodes messages that do not name their codec
-    (default JSON). ``connect_timeout``, ``retry_initial`` and ``retry_max``
-    are :class:`~kvstream.consumers.broker.BrokerSubscriber`'s.
+    `subject`: the filter (wildcards allowed; default `kv.events.>`).
+    `stream`: the stream to read (None: the one covering the subject).
+    `durable`: consumer name to resume from; None for an ephemeral consumer.
+    `deliver`: where a new consumer starts (default `new`, or `all` when
+    `from_seq` is given). `from_seq` (an int, or `{origin: seq}` with
+    `"*"` for the others) skips, in the first epoch seen of each origin, the
+    batches below it. `follow=False` stops once the subscriber has caught up
+    with the stream. `codec` decodes messages that do not name their codec
+    (default JSON). `connect_timeout`, `retry_initial` and `retry_max`
+    are `BrokerSubscriber`'s.
     """
 
     def __init__(
@@ -486,7 +486,7 @@ class NatsSubscriber(BrokerSubscriber["Client"]):
 
 
 def subscriber_from_url(parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]) -> Subscriber:
-    """``nats://HOST:PORT[/SUBJECT]?durable=NAME&stream=...&deliver=...`` -> NatsSubscriber."""
+    """`nats://HOST:PORT[/SUBJECT]?durable=NAME&stream=...&deliver=...` -> NatsSubscriber."""
     reader_options(opts, kwargs)
     deliver = opts.pop_str("deliver")
     if deliver is not None and deliver not in DELIVER:

@@ -1,35 +1,35 @@
-"""Reading batches back from a Redis stream: plain ``XREAD`` or a consumer group.
+"""Reading batches back from a Redis stream: plain `XREAD` or a consumer group.
 
-``redis://HOST:PORT/STREAM[?group=NAME&consumer=NAME&start=ID]`` (redis-py
-asyncio, extra ``redis``). Every entry is turned back into its batch (codec
-from the ``codec`` field, name from ``origin``/``epoch``/``seq``, see
-:mod:`kvstream.wire.broker`), continuity is checked per ``(origin, epoch)``,
-and batches and :class:`~kvstream.consumers.base.Gap` items are yielded in
+`redis://HOST:PORT/STREAM[?group=NAME&consumer=NAME&start=ID]` (redis-py
+asyncio, extra `redis`). Every entry is turned back into its batch (codec
+from the `codec` field, name from `origin`/`epoch`/`seq`, see
+`kvstream.wire.broker`), continuity is checked per `(origin, epoch)`,
+and batches and [`Gap`][kvstream.consumers.base.Gap] items are yielded in
 stream order.
 
-``start`` is where reading begins (``0``: the beginning; ``$``: only entries
+`start` is where reading begins (`0`: the beginning; `$`: only entries
 added from now on; or an entry id). By default, as
-:func:`kvstream.config.subscribe` promises, live batches only (``$``) unless
-the reader gives a ``from_seq`` (then ``0``, skipping each origin's batches
+`kvstream.config.subscribe()` promises, live batches only (`$`) unless
+the reader gives a `from_seq` (then `0`, skipping each origin's batches
 below it).
 
-* **Plain** (no ``group``): ``XREAD`` from ``start``. The
+* **Plain** (no `group`): `XREAD` from `start`. The
   subscriber remembers the last id it handed over and continues from there
-  after a lost connection or a server restart; :attr:`RedisSubscriber.last_id`
-  is what to pass as ``start`` to resume in another process.
-* **Group** (``group=NAME``): ``XREADGROUP`` as ``consumer`` (default: the
-  host name). The group is created at ``start`` when missing. Entries are
-  acknowledged (``XACK``, several at a time) once the caller has taken their
+  after a lost connection or a server restart; `RedisSubscriber.last_id`
+  is what to pass as `start` to resume in another process.
+* **Group** (`group=NAME`): `XREADGROUP` as `consumer` (default: the
+  host name). The group is created at `start` when missing. Entries are
+  acknowledged (`XACK`, several at a time) once the caller has taken their
   batch and asked for the next item, and on a clean close; after a restart or
   a reconnect the consumer first re-reads its own pending (delivered, not
   acknowledged) entries, then new ones. Delivery is at least once; the
   tracker drops repeats within one subscriber.
 
-Snapshots (see :mod:`kvstream.consumers.broker`; plain mode only): read from
-the keys a :class:`~kvstream.sinks.redis.RedisSink` with
-``snapshot_every``/``snapshot_interval`` writes beside ``STREAM``. On a cold
+Snapshots (see `kvstream.consumers.broker`; plain mode only): read from
+the keys a [`RedisSink`][kvstream.sinks.redis.RedisSink] with
+`snapshot_every`/`snapshot_interval` writes beside `STREAM`. On a cold
 start with snapshots found, reading starts after the oldest snapshot's entry,
-whatever ``start`` says.
+whatever `start` says.
 """
 
 from __future__ import annotations
@@ -81,14 +81,14 @@ def _text(value: object) -> str:
 class RedisSubscriber(BrokerSubscriber["Redis"]):
     """Batches from a Redis stream, in order, with gaps reported.
 
-    ``start``: ``0``, ``$`` or an entry id (default ``$``, or ``0`` when
-    ``from_seq`` is given); for a group, where it is created. ``from_seq`` (an
-    int, or ``{origin: seq}`` with ``"*"`` for the others) skips, in the first
-    epoch seen of each origin, the batches below it. ``follow=False`` stops
-    once the subscriber has caught up. ``codec`` decodes entries that do not
-    name their codec (default JSON). ``block`` is the longest wait of one
-    read, in seconds. ``connect_timeout``, ``retry_initial`` and ``retry_max``
-    are :class:`~kvstream.consumers.broker.BrokerSubscriber`'s.
+    `start`: `0`, `$` or an entry id (default `$`, or `0` when
+    `from_seq` is given); for a group, where it is created. `from_seq` (an
+    int, or `{origin: seq}` with `"*"` for the others) skips, in the first
+    epoch seen of each origin, the batches below it. `follow=False` stops
+    once the subscriber has caught up. `codec` decodes entries that do not
+    name their codec (default JSON). `block` is the longest wait of one
+    read, in seconds. `connect_timeout`, `retry_initial` and `retry_max`
+    are `BrokerSubscriber`'s.
     """
 
     def __init__(
@@ -140,7 +140,7 @@ class RedisSubscriber(BrokerSubscriber["Redis"]):
         self.bad_entries = 0
         #: Reads that failed and were retried.
         self.read_errors = 0
-        #: Plain mode: the id of the last entry handed over (``start`` to resume from).
+        #: Plain mode: the id of the last entry handed over (`start` to resume from).
         self.last_id: str | None = None
         self._beats: dict[str, int] = {}
         self._beats_polled = 0.0
@@ -237,7 +237,7 @@ class RedisSubscriber(BrokerSubscriber["Redis"]):
         return data if isinstance(data, bytes) else None
 
     async def _poll_heartbeats(self) -> None:
-        """Read the heartbeat hash (at most every ``block`` seconds): a changed beat is a
+        """Read the heartbeat hash (at most every `block` seconds): a changed beat is a
         sign of life; then judge who is gone."""
         now = time.monotonic()
         client = self._client
@@ -395,7 +395,7 @@ def _looks_like_id(text: str) -> bool:
 
 
 def subscriber_from_url(parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]) -> Subscriber:
-    """``redis://HOST:PORT[/STREAM]?group=NAME&consumer=NAME&start=ID`` -> RedisSubscriber."""
+    """`redis://HOST:PORT[/STREAM]?group=NAME&consumer=NAME&start=ID` -> RedisSubscriber."""
     reader_options(opts, kwargs)
     return RedisSubscriber(
         client_url(parsed.raw, parsed.scheme, 6379),

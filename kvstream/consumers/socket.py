@@ -1,6 +1,5 @@
 """SocketSubscriber: batches from a socket sink, resumed across reconnects.
 
-::
 
     async with SocketSubscriber(port=5600, from_seq=0) as sub:
         async for item in sub:
@@ -8,15 +7,15 @@
             elif isinstance(item, SnapshotBatch): ...  # the state up to item.seq
             else: ...                                 # the next EventBatch
 
-The subscriber says hello (:mod:`kvstream.wire.socket_protocol`), reads the
+The subscriber says hello (`kvstream.wire.socket_protocol`), reads the
 welcome, and then yields batches in order per origin. When the connection
 drops it reconnects with exponential backoff and asks for the batches after
 the last one it yielded, per origin and epoch, so within the sink's replay
 ring nothing is lost or repeated. A producer that restarted (a new epoch) is
 noticed: its batches restart at seq 0 and nothing of the old epoch is mistaken
-for them. What the sink can no longer replay arrives as a :class:`Gap` (or as
-a :class:`SnapshotBatch`, where the producer offers snapshots); a jump in seq
-that nobody announced is reported as a :class:`Gap` too. Nothing is hidden.
+for them. What the sink can no longer replay arrives as a `Gap` (or as
+a `SnapshotBatch`, where the producer offers snapshots); a jump in seq
+that nobody announced is reported as a [`Gap`][kvstream.consumers.base.Gap] too. Nothing is hidden.
 """
 
 from __future__ import annotations
@@ -73,12 +72,12 @@ _CLOSED_ERRORS = (
 
 
 class SnapshotBatch(EventBatch):
-    """A producer's state, standing in for every batch of its epoch up to ``seq``.
+    """A producer's state, standing in for every batch of its epoch up to `seq`.
 
-    Its events are ``AllBlocksCleared`` then the blocks held, parents first:
+    Its events are `AllBlocksCleared` then the blocks held, parents first:
     applied like a batch, they leave a consumer in the state batches
-    ``0..seq`` would have. The next batch of the origin is ``seq + 1``.
-    ``first_missing`` is the seq the subscriber had asked from.
+    `0..seq` would have. The next batch of the origin is `seq + 1`.
+    `first_missing` is the seq the subscriber had asked from.
     """
 
     __slots__ = ("first_missing",)
@@ -126,17 +125,17 @@ class SocketSubscriberStatistics(NamedTuple):
 
 
 class SocketSubscriber(Subscriber):
-    """Subscribes to a :class:`~kvstream.sinks.socket.SocketSink` (TCP or Unix).
+    """Subscribes to a [`SocketSink`][kvstream.sinks.socket.SocketSink] (TCP or Unix).
 
-    ``from_seq``: None for live batches only, an int for every origin from
-    that seq, or ``{origin: seq}`` (``"*"`` for the others). ``token`` is the
-    sink's shared secret; ``ssl_context`` turns on TLS (``tls_hostname``
-    overrides the name checked, which is ``host`` by default). With
-    ``reconnect=False`` the first failure raises :class:`TransportError` and the
+    `from_seq`: None for live batches only, an int for every origin from
+    that seq, or `{origin: seq}` (`"*"` for the others). `token` is the
+    sink's shared secret; `ssl_context` turns on TLS (`tls_hostname`
+    overrides the name checked, which is `host` by default). With
+    `reconnect=False` the first failure raises `TransportError` and the
     sink closing ends the iteration; otherwise the subscriber retries with
-    backoff (``retry_initial`` doubling up to ``retry_max`` seconds) until
-    :meth:`aclose`. An error the sink reports as final (a wrong token, a bad
-    hello, a ``from_seq`` ahead of the stream) raises :class:`TransportError`.
+    backoff (`retry_initial` doubling up to `retry_max` seconds) until
+    `aclose()`. An error the sink reports as final (a wrong token, a bad
+    hello, a `from_seq` ahead of the stream) raises `TransportError`.
     """
 
     def __init__(
@@ -544,7 +543,7 @@ def _start_for(from_seq: FromSeq, origin: str) -> int | None:
 def subscriber_from_url(
     parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]
 ) -> SocketSubscriber:
-    """``tcp://HOST:PORT`` / ``unix:PATH`` -> a :class:`SocketSubscriber` (kvstream.config)."""
+    """`tcp://HOST:PORT` / `unix:PATH` -> a `SocketSubscriber` (kvstream.config)."""
     where = parsed.raw.partition("?")[0]
     token = token_from_options(opts, where)
     if token is not None:

@@ -1,54 +1,54 @@
 """ZMQ ingest: read vLLM / SGLang / TensorRT-LLM publishers, repairing gaps by replay.
 
-``zmq+tcp://HOST:PORT?replay=tcp://HOST:PORT2&origin=NAME`` (pyzmq, extra
-``zmq``). Each publisher is one origin (``origin=``, by default its endpoint
+`zmq+tcp://HOST:PORT?replay=tcp://HOST:PORT2&origin=NAME` (pyzmq, extra
+`zmq`). Each publisher is one origin (`origin=`, by default its endpoint
 without the scheme) and one sequence space. The subscriber connects a SUB to
-it (or binds, when the endpoint holds ``*``, for publishers that connect to a
+it (or binds, when the endpoint holds `*`, for publishers that connect to a
 central consumer) and, when it has a replay endpoint, a DEALER to that.
 
-Per publisher it keeps continuity (:mod:`kvstream.wire.vllm_zmq` reads the
+Per publisher it keeps continuity (`kvstream.wire.vllm_zmq` reads the
 frames):
 
 * **Start.** A publisher counts its batches from 0, so a fresh publisher first
   heard at seq > 0 (the subscriber started first: ZMQ's slow joiner drops
   what was sent before the connection) is replayed from 0 when it has a replay
-  endpoint, and what its ring no longer has is reported as a :class:`Gap`;
+  endpoint, and what its ring no longer has is reported as a [`Gap`][kvstream.consumers.base.Gap];
   without a replay endpoint the batches before the first one heard are
-  reported as a gap. ``join="live"`` joins at the first batch heard instead,
-  silently (for a tail that only wants what comes next). With ``from_seq`` it
+  reported as a gap. `join="live"` joins at the first batch heard instead,
+  silently (for a tail that only wants what comes next). With `from_seq` it
   asks for a replay from there at once and holds live batches until the
   replay ends.
 * **Gaps.** A live batch past the next expected one starts a replay of what
   is missing. While a replay is in flight, live batches wait in a bounded
   reorder buffer; replayed and held batches are delivered in sequence order,
-  duplicates dropped by ``seq``. Both reply layouts (with and without the topic
+  duplicates dropped by `seq`. Both reply layouts (with and without the topic
   frame) are read. Whatever the replay could not provide (older than the ring,
-  a timeout, no replay endpoint) is reported as a :class:`Gap` item, never
+  a timeout, no replay endpoint) is reported as a [`Gap`][kvstream.consumers.base.Gap] item, never
   hidden. A buffer overflow drops the live batch (counted); the gap it leaves
   is repaired by the next replay.
-* **Restarts and duplicates.** PUB/SUB delivers in order, so a live ``seq``
+* **Restarts and duplicates.** PUB/SUB delivers in order, so a live `seq`
   that goes back (normally to 0) means the publisher restarted: the origin
   gets a new epoch, and batches it missed since are asked from the new
-  instance's ring. A live ``seq`` equal to the last one is a duplicate (a
+  instance's ring. A live `seq` equal to the last one is a duplicate (a
   publisher resending), dropped and counted, never a restart.
-* **Fan-in.** A bound subscriber (``*`` in the endpoint, or ``bind=1``) may have
+* **Fan-in.** A bound subscriber (`*` in the endpoint, or `bind=1`) may have
   many publishers connected to it (vLLM connects its PUB when its endpoint
-  has no ``*``; llm-d's centralised mode): it keeps one origin per
-  ``(topic, data_parallel_rank)``, each with its own continuity, named
-  ``ORIGIN/TOPIC#dpRANK`` (the topic part when the topic is not empty, the
+  has no `*`; llm-d's centralised mode): it keeps one origin per
+  `(topic, data_parallel_rank)`, each with its own continuity, named
+  `ORIGIN/TOPIC#dpRANK` (the topic part when the topic is not empty, the
   rank part when the batch carries one). Replays, when the bound endpoint has
   a replay endpoint, are asked and answered one at a time per link, each
   reply routed to the origin that asked.
 * **Refused events.** A payload is decoded per event: an event no dialect
-  reads is counted (``events_refused``) and logged once per burst, the rest
+  reads is counted (`events_refused`) and logged once per burst, the rest
   of its batch is delivered.
 * **Malformed frames** (wrong frame count, a seq frame not 8 bytes, a payload
   that does not decode) are skipped, counted and logged; a payload that does
-  not decode under a valid seq is reported as a one-batch :class:`Gap`.
+  not decode under a valid seq is reported as a one-batch [`Gap`][kvstream.consumers.base.Gap].
 
-The protocol state of one publisher (:class:`PublisherStream`) does no I/O;
-:class:`ZmqSubscriber` moves frames between it and the sockets, all in the
-consumer's task (a :mod:`zmq.asyncio` poller; no task of its own).
+The protocol state of one publisher (`PublisherStream`) does no I/O;
+`ZmqSubscriber` moves frames between it and the sockets, all in the
+consumer's task (a `zmq.asyncio` poller; no task of its own).
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ _PEEK: Final = msgspec.msgpack.Decoder(_RankPeek)
 
 
 def peek_rank(payload: bytes) -> int | None:
-    """The ``data_parallel_rank`` of a payload frame (None when absent or unreadable)."""
+    """The `data_parallel_rank` of a payload frame (None when absent or unreadable)."""
     try:
         return _PEEK.decode(payload).data_parallel_rank
     except (msgspec.DecodeError, msgspec.ValidationError):
@@ -141,7 +141,7 @@ def peek_rank(payload: bytes) -> int | None:
 
 
 def default_origin(endpoint: str) -> str:
-    """The origin of a publisher nobody named: its endpoint without ``tcp://``."""
+    """The origin of a publisher nobody named: its endpoint without `tcp://`."""
     return endpoint[len("tcp://") :] if endpoint.startswith("tcp://") else endpoint
 
 
@@ -155,16 +155,16 @@ class ZmqPublisher:
 
     endpoint: str
     replay_endpoint: str | None = None
-    #: The origin its batches get; default: :func:`default_origin` of the endpoint.
+    #: The origin its batches get; default: `default_origin()` of the endpoint.
     origin: str | None = None
     #: SUB subscription (a topic prefix); replies of other topics are ignored too.
     topic: str = ""
-    #: Replay from this sequence number at start (needs ``replay_endpoint``).
+    #: Replay from this sequence number at start (needs `replay_endpoint`).
     from_seq: int | None = None
-    #: Override the rule (bind when the endpoint holds ``*``, else connect).
+    #: Override the rule (bind when the endpoint holds `*`, else connect).
     bind: bool | None = None
-    #: ``start``: a fresh publisher's stream begins at seq 0 (replayed, or a gap);
-    #: ``live``: at the first batch heard.
+    #: `start`: a fresh publisher's stream begins at seq 0 (replayed, or a gap);
+    #: `live`: at the first batch heard.
     join: Join = "start"
 
     def __post_init__(self) -> None:
@@ -219,9 +219,9 @@ class PublisherStatistics(NamedTuple):
 class PublisherStream:
     """Continuity, replay and reordering for one publisher. No I/O.
 
-    Feed it with :meth:`on_live`, :meth:`on_replay` and :meth:`on_timer`; each
+    Feed it with `on_live()`, `on_replay()` and `on_timer()`; each
     returns the items now ready, in order. Replay requests it wants sent are
-    queued in :attr:`requests` (start sequence numbers); :attr:`reset_dealer`
+    queued in `requests` (start sequence numbers); `reset_dealer`
     asks for a new replay socket (so late replies to an abandoned request are
     never mistaken for a new one's).
     """
@@ -241,7 +241,7 @@ class PublisherStream:
     ) -> None:
         self.origin = origin
         self.join = join
-        #: Replies must carry exactly ``topic`` (a fan-in origin), not only start with it.
+        #: Replies must carry exactly `topic` (a fan-in origin), not only start with it.
         self.exact_topic = exact_topic
         self.codec = codec
         self.has_replay = has_replay
@@ -283,7 +283,7 @@ class PublisherStream:
     # -- inputs -------------------------------------------------------------------------
 
     def start(self, from_seq: int | None, now: float) -> list[SubscriberItem]:
-        """Begin: from ``from_seq`` (replayed when possible), from 0, or at the first live batch."""
+        """Begin: from `from_seq` (replayed when possible), from 0, or at the first live batch."""
         if from_seq is not None:
             self.expected = from_seq
             if self.has_replay:
@@ -426,7 +426,7 @@ class PublisherStream:
     def _finish_replay(self, now: float, failure: str | None) -> list[SubscriberItem]:
         """The replay ended: deliver the held live batches in order, handling what is left.
 
-        A gap below ``replay_until`` is one the ring could not fill (reported); a
+        A gap below `replay_until` is one the ring could not fill (reported); a
         gap at or past it was lost while the replay ran, so a new replay asks for
         it (the rest stays held). Each new replay starts further on, so this ends.
         """
@@ -560,14 +560,14 @@ class _Link:
 
     A connecting link has one stream (one publisher, one sequence space). A
     bound link may have many publishers connected to it: one stream per
-    ``(topic, data_parallel_rank)``, created when first heard.
+    `(topic, data_parallel_rank)`, created when first heard.
     """
 
     __slots__ = ("dealer", "factory", "inflight", "primary", "spec", "streams", "sub")
 
     def __init__(self, spec: ZmqPublisher, factory: Any) -> None:
         self.spec = spec
-        #: ``factory(origin, topic, exact)`` makes a PublisherStream.
+        #: `factory(origin, topic, exact)` makes a PublisherStream.
         self.factory = factory
         self.streams: dict[_StreamKey, PublisherStream] = {}
         self.primary: PublisherStream | None = None
@@ -627,7 +627,6 @@ class _Link:
 class ZmqSubscriber(Subscriber):
     """Batches from one or more vLLM-wire publishers, each its own origin.
 
-    ::
 
         sub = ZmqSubscriber(ZmqPublisher("tcp://10.0.0.5:5557",
                                          replay_endpoint="tcp://10.0.0.5:5558"))
@@ -635,9 +634,9 @@ class ZmqSubscriber(Subscriber):
             async for item in sub:      # EventBatch or Gap, in order per origin
                 ...
 
-    ``codec`` reads both msgpack profiles. ``replay_timeout``: seconds without a
-    reply before a replay is given up. ``max_reorder`` / ``max_reorder_bytes``
-    bound the live batches held while a replay is in flight. ``hwm``: the SUB's
+    `codec` reads both msgpack profiles. `replay_timeout`: seconds without a
+    reply before a replay is given up. `max_reorder` / `max_reorder_bytes`
+    bound the live batches held while a replay is in flight. `hwm`: the SUB's
     receive high-water mark.
     """
 
@@ -705,7 +704,7 @@ class ZmqSubscriber(Subscriber):
     def unattributed(self) -> int:
         """Messages on a bound endpoint skipped before any origin could be told from them.
 
-        Malformed frames, and publishers beyond :data:`MAX_FAN_IN` origins.
+        Malformed frames, and publishers beyond `MAX_FAN_IN` origins.
         """
         return self._fan_in_malformed
 
@@ -724,9 +723,9 @@ class ZmqSubscriber(Subscriber):
     def stop(self, grace: float = 2.0) -> None:
         """End the iteration gracefully: deliver what has arrived, then stop.
 
-        Replays in flight get up to ``grace`` seconds to finish (no new one
+        Replays in flight get up to `grace` seconds to finish (no new one
         starts); what they leave missing is reported as gaps. The iterator then
-        ends (``async for`` finishes) and the sockets are closed. Call it on the
+        ends (`async for` finishes) and the sockets are closed. Call it on the
         event loop, from any task.
         """
         self._stopping = True
@@ -935,7 +934,7 @@ class ZmqSubscriber(Subscriber):
 
 
 def subscriber_from_url(parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]) -> Subscriber:
-    """``zmq+tcp://HOST:PORT?replay=tcp://HOST:PORT2&origin=NAME&topic=...&from_seq=N``."""
+    """`zmq+tcp://HOST:PORT?replay=tcp://HOST:PORT2&origin=NAME&topic=...&from_seq=N`."""
     endpoint = endpoint_from_parts(parsed.scheme, parsed.address, parsed.path, parsed.raw)
     replay = opts.pop_str("replay")
     bind = opts.pop_bool("bind") if "bind" in opts else None

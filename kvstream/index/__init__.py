@@ -1,10 +1,10 @@
 """The router side: a prefix index fed by the event stream.
 
-:class:`PrefixIndex` keeps, per stream ``(origin, data_parallel_rank)`` and tier,
+`PrefixIndex` keeps, per stream `(origin, data_parallel_rank)` and tier,
 which block chains are held and answers how long a prefix of a prompt each
-stream has cached, per tier and scored by tier weights (:meth:`PrefixIndex.match`).
-:func:`vllm_extra_keys` builds the per-block keys vLLM hashes with.
-``kvstream index URL`` serves it over HTTP.
+stream has cached, per tier and scored by tier weights (`PrefixIndex.match()`).
+`vllm_extra_keys()` builds the per-block keys vLLM hashes with.
+`kvstream index URL` serves it over HTTP.
 """
 
 from kvstream.index.hashing import BlockHasher

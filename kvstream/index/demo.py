@@ -2,22 +2,22 @@
 
 The same seeded requests (system prompts shared by everyone, multi-turn chats
 whose every turn repeats the history) are routed, once per policy, over a fresh
-fleet of :class:`~kvstream.sim.SimulatedEngine`: ``engines`` engines of
-``ranks`` data-parallel ranks each, all ranks of an engine under one origin
+fleet of `SimulatedEngine`: `engines` engines of
+`ranks` data-parallel ranks each, all ranks of an engine under one origin
 name. Policies:
 
-* ``index``: the stream with the best tier-weighted score (ties: the one that
+* `index`: the stream with the best tier-weighted score (ties: the one that
   served fewest requests);
-* ``index-gpu``: the stream with the longest prefix on GPU alone (what an index
+* `index-gpu`: the stream with the longest prefix on GPU alone (what an index
   that ignores offloaded tiers would answer);
-* ``random``: any live stream.
+* `random`: any live stream.
 
-Along the way, every ``restart_every`` requests one rank restarts (an empty
+Along the way, every `restart_every` requests one rank restarts (an empty
 cache, a new epoch), and a batch of its old epoch arrives late, as a replay
 racing the new stream would; at mid-run one engine is lost (all its ranks stop
-sending batches and heartbeats), which the index learns through ``ttl``. A
+sending batches and heartbeats), which the index learns through `ttl`. A
 request routed to a lost engine is counted as misrouted and sent to a random
-live stream. Time is simulated: each request advances the clock by ``tick``
+live stream. Time is simulated: each request advances the clock by `tick`
 seconds, and every live rank heartbeats each tick.
 
 Scores: the engines' own GPU prefix hits (what a real engine reuses without
@@ -233,7 +233,7 @@ def compare_routing(
     ttl: float = 2.0,
     tick: float = 0.05,
 ) -> list[RoutingResult]:
-    """Route the same requests with each of :data:`POLICIES`; see the module doc."""
+    """Route the same requests with each of `POLICIES`; see the module doc."""
     for name, value in (
         ("engines", engines),
         ("requests", requests),

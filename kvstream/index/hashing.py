@@ -7,25 +7,25 @@ a prompt's blocks get the same hashes whichever engine reported them.
 
 The hash is computed with numpy over a whole prompt (or a whole batch) at once,
 which is what makes a pure-Python index fast. For a block of tokens
-``t_0 .. t_{B-1}`` (uint32):
+`t_0 .. t_{B-1}` (uint32):
 
 * the tokens are read as little-endian uint32 and taken two at a time as one
-  uint64 word ``w_j`` (one token per word when the block size is odd);
-* each word is mixed: ``x_j = (w_j XOR S_j) * K1``, ``x_j ^= x_j >> 32``
-  (``S_j``: per-position constants from the seed), and the block's value is
-  ``v = sum(x_j) XOR salt``, then ``v *= K2``, ``v ^= v >> 29`` (all mod 2**64);
-* the chain is a polynomial over the blocks: ``h_k = (h_{k-1} * P + v_k) mod 2**60``
-  with ``h_{-1}`` the *root*, derived from the seed. ``h_k`` is the block's hash.
+  uint64 word `w_j` (one token per word when the block size is odd);
+* each word is mixed: `x_j = (w_j XOR S_j) * K1`, `x_j ^= x_j >> 32`
+  (`S_j`: per-position constants from the seed), and the block's value is
+  `v = sum(x_j) XOR salt`, then `v *= K2`, `v ^= v >> 29` (all mod 2**64);
+* the chain is a polynomial over the blocks: `h_k = (h_{k-1} * P + v_k) mod 2**60`
+  with `h_{-1}` the *root*, derived from the seed. `h_k` is the block's hash.
 
-``salt`` is 0 for the usual block. A block with an adapter or extra keys, or
-with a token at or above ``2**32`` (its words then hold the low 32 bits), gets
-the low 64 bits of ``blake2b(msgpack([lora_name, extra_keys, high_words]))``.
+`salt` is 0 for the usual block. A block with an adapter or extra keys, or
+with a token at or above `2**32` (its words then hold the low 32 bits), gets
+the low 64 bits of `blake2b(msgpack([lora_name, extra_keys, high_words]))`.
 The chain's linear form lets a run of blocks be hashed with one cumulative sum,
 and needs no block's depth: only its parent's hash.
 
 Collisions: two different blocks after the same parent share a hash with
-probability about ``2**-60`` for tokens that were not chosen against the seed;
-a million indexed blocks collide with probability below ``10**-6``. This is a
+probability about `2**-60` for tokens that were not chosen against the seed;
+a million indexed blocks collide with probability below `10**-6`. This is a
 router's hash, not a cryptographic one: it is not meant to withstand an
 adversary who knows the seed. 60 bits is the largest integer CPython keeps in
 32 bytes.
@@ -68,7 +68,7 @@ def fold_engine_hash(h: int | bytes) -> int:
     Integers (vLLM's unsigned, SGLang's signed) keep their low 60 bits; a digest
     given as bytes keeps the low 60 bits of its last 8 bytes (llm-d also reads the
     last 8). Within one engine two different blocks then share a key with
-    probability about ``n**2 / 2**61``.
+    probability about `n**2 / 2**61`.
     """
     if type(h) is int:
         return h & _ENGINE_MASK
@@ -86,10 +86,10 @@ def _seed_bytes(seed: int | str | bytes) -> bytes:
 
 
 def tokens_array(token_ids: Sequence[int], what: str = "token_ids") -> tuple[array[int], bool]:
-    """``token_ids`` as a uint32 array, and whether some token needed more than 32 bits.
+    """`token_ids` as a uint32 array, and whether some token needed more than 32 bits.
 
     Tokens of 32 bits or more keep their low 32 bits here (the hash salts their
-    blocks with the rest). Anything but integers in ``[0, 2**64)`` is refused.
+    blocks with the rest). Anything but integers in `[0, 2**64)` is refused.
     """
     data = array("I")
     try:
@@ -157,7 +157,7 @@ class BlockHasher:
     # -- pieces ------------------------------------------------------------------------------
 
     def _powers(self, n: int) -> tuple[U64, U64]:
-        """``P**j`` and ``P**-j`` for j = 1..n (mod 2**64), grown on demand."""
+        """`P**j` and `P**-j` for j = 1..n (mod 2**64), grown on demand."""
         import numpy as np  # imported on first use: `import kvstream` stays light
 
         if len(self._pow) < n:
@@ -177,9 +177,9 @@ class BlockHasher:
         return self._pow[:n], self._ipow[:n]
 
     def values(self, data: Any, n_blocks: int) -> U64:
-        """Each block's value ``v`` (before its salt is mixed in): ``data`` holds
-        at least ``n_blocks`` blocks of uint32 little-endian tokens (bytes, an
-        ``array('I')`` or a memoryview)."""
+        """Each block's value `v` (before its salt is mixed in): `data` holds
+        at least `n_blocks` blocks of uint32 little-endian tokens (bytes, an
+        `array('I')` or a memoryview)."""
         import numpy as np  # imported on first use: `import kvstream` stays light
 
         if self._odd:
@@ -221,7 +221,7 @@ class BlockHasher:
         lora_name: str | None = None,
         extra_keys: Sequence[Sequence[Any] | None] | None = None,
     ) -> U64:
-        """The finished value of each of the first ``n_blocks`` blocks of ``token_ids``."""
+        """The finished value of each of the first `n_blocks` blocks of `token_ids`."""
         data, wide = tokens_array(token_ids)  # the partial last block too: no copy
         v = self.values(data, n_blocks)
         salts = self.salts(token_ids, n_blocks, lora_name, extra_keys, wide)
@@ -255,12 +255,12 @@ class BlockHasher:
         return np.array(out, dtype=np.uint64)
 
     def chain_values(self, parent: int, v: U64) -> list[int]:
-        """The hashes of blocks of finished values ``v`` chained on the hash ``parent``."""
+        """The hashes of blocks of finished values `v` chained on the hash `parent`."""
         out: list[int] = self.chain_array(parent, v).tolist()
         return out
 
     def chain_array(self, parent: int, v: U64) -> U64:
-        """:meth:`chain_values` as a uint64 array."""
+        """`chain_values()` as a uint64 array."""
         import numpy as np  # imported on first use: `import kvstream` stays light
 
         n = len(v)
@@ -281,11 +281,11 @@ class BlockHasher:
         lora_name: str | None = None,
         extra_keys: Sequence[Sequence[Any] | None] | None = None,
     ) -> list[int]:
-        """The hashes of every full block of ``token_ids`` chained on ``parent``.
+        """The hashes of every full block of `token_ids` chained on `parent`.
 
-        ``parent`` is an index hash (None: the root). ``extra_keys`` has one entry
+        `parent` is an index hash (None: the root). `extra_keys` has one entry
         per block (None or a list), as the index keeps them (see
-        :func:`kvstream.index.keys.block_keys`).
+        `kvstream.index.keys.block_keys()`).
         """
         n = len(token_ids) // self.block_size
         v = self.block_values(token_ids, n, lora_name, extra_keys)

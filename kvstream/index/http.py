@@ -1,6 +1,6 @@
-"""A tiny HTTP/1.1 query endpoint for a :class:`~kvstream.index.PrefixIndex`.
+"""A tiny HTTP/1.1 query endpoint for a [`PrefixIndex`][kvstream.index.prefix.PrefixIndex].
 
-Two routes, JSON out::
+Two routes, JSON out:
 
     POST /match   {"token_ids": [1, 2, ...], "lora_name": null}
                   -> {"block_size": 16, "blocks": 12,
@@ -9,16 +9,16 @@ Two routes, JSON out::
                                    "tiers": {"GPU": 9}, "score": 9.0}, ...]}
     GET  /stats   -> the index's statistics()
 
-``/match`` also takes ``"extra_keys"`` (one entry per block), ``"include_stale"``
-(default true) and ``"tier_weights"``; or ``"block_hashes"`` (an engine's hashes,
-with an optional ``"origin"`` and ``"data_parallel_rank"``) instead of
-``"token_ids"``. With ``Content-Type: application/octet-stream`` the body is the
+`/match` also takes `"extra_keys"` (one entry per block), `"include_stale"`
+(default true) and `"tier_weights"`; or `"block_hashes"` (an engine's hashes,
+with an optional `"origin"` and `"data_parallel_rank"`) instead of
+`"token_ids"`. With `Content-Type: application/octet-stream` the body is the
 tokens as uint32 little-endian and options go in the query string
-(``/match?lora_name=L&include_stale=false``): the fast path. Requests are
-bounded (head 16 KiB, body ``max_request_bytes``); a malformed one gets a 4xx
+(`/match?lora_name=L&include_stale=false`): the fast path. Requests are
+bounded (head 16 KiB, body `max_request_bytes`); a malformed one gets a 4xx
 naming what was wrong. Connections are kept alive (HTTP/1.1) until the client
-closes, says ``Connection: close``, or is idle for ``idle_timeout`` seconds. The
-HTTP layer is :mod:`kvstream.wire.http` (h11 under anyio, with its limits).
+closes, says `Connection: close`, or is idle for `idle_timeout` seconds. The
+HTTP layer is `kvstream.wire.http` (h11 under anyio, with its limits).
 """
 
 from __future__ import annotations
@@ -52,14 +52,14 @@ class _HttpError(Exception):
 
 
 class QueryServer:
-    """Serves ``index`` on ``host:port`` (port 0: any free port; see :attr:`port`).
+    """Serves `index` on `host:port` (port 0: any free port; see `port`).
 
-    An async context manager; :meth:`aclose` is idempotent. The index is read
+    An async context manager; `aclose()` is idempotent. The index is read
     from the same event loop that feeds it, so a query sees a consistent state.
-    The HTTP layer is kvstream's one server (:class:`~kvstream.wire.http.HttpServer`),
-    with its documented limits: ``max_connections`` (idle connections make room
-    for new ones), head size and time, ``max_request_bytes`` per body,
-    ``idle_timeout`` for keep-alive; :meth:`server_statistics` counts every refusal.
+    The HTTP layer is kvstream's one server (`HttpServer`),
+    with its documented limits: `max_connections` (idle connections make room
+    for new ones), head size and time, `max_request_bytes` per body,
+    `idle_timeout` for keep-alive; `server_statistics()` counts every refusal.
     """
 
     def __init__(

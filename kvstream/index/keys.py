@@ -1,21 +1,21 @@
-"""The per-block keys that make two blocks of the same tokens different (vLLM's ``extra_keys``).
+"""The per-block keys that make two blocks of the same tokens different (vLLM's `extra_keys`).
 
 vLLM hashes a block from its parent, its tokens and a tuple of *extra keys*
-(``vllm/v1/core/kv_cache_utils.py``, ``generate_block_hash_extra_keys``), and
-puts that tuple, per block, in ``BlockStored.extra_keys``. In that order:
+(`vllm/v1/core/kv_cache_utils.py`, `generate_block_hash_extra_keys`), and
+puts that tuple, per block, in `BlockStored.extra_keys`. In that order:
 
 1. the LoRA adapter's name, on every block of a LoRA request;
-2. for each multimodal input overlapping the block, ``(identifier, offset -
-   block_start)``: the input's identifier (its content hash) and where it
+2. for each multimodal input overlapping the block, `(identifier, offset -
+   block_start)`: the input's identifier (its content hash) and where it
    starts relative to the block (negative when it began in an earlier block);
-3. the request's ``cache_salt``, on block 0 only;
+3. the request's `cache_salt`, on block 0 only;
 4. the prompt-embedding hash of the block's range (sha256 of the block's rows
-   of ``prompt_embeds``), when the prompt was given as embeddings.
+   of `prompt_embeds`), when the prompt was given as embeddings.
 
-A block with none of these has ``None``. :func:`vllm_extra_keys` builds that
+A block with none of these has `None`. `vllm_extra_keys()` builds that
 list for a prompt, so a router can query the index with exactly the keys the
 engine used. The index itself keeps the adapter apart from the other keys
-(:func:`split_lora`): a query with ``lora_name`` alone matches vLLM's LoRA
+(`split_lora()`): a query with `lora_name` alone matches vLLM's LoRA
 blocks, whose extra keys repeat the adapter's name.
 """
 
@@ -28,8 +28,8 @@ from kvstream.errors import ConfigError
 
 __all__ = ["MultimodalInput", "split_lora", "vllm_extra_keys"]
 
-#: ``(identifier, offset, length)``: a multimodal input of the prompt, its
-#: placeholder tokens starting at token ``offset``.
+#: `(identifier, offset, length)`: a multimodal input of the prompt, its
+#: placeholder tokens starting at token `offset`.
 MultimodalInput = tuple[str, int, int]
 
 
@@ -42,11 +42,11 @@ def vllm_extra_keys(
     cache_salt: str | None = None,
     prompt_embeds_hashes: Sequence[bytes] | None = None,
 ) -> list[list[Any] | None]:
-    """The ``extra_keys`` vLLM attaches to each full block of a prompt of ``num_tokens``.
+    """The `extra_keys` vLLM attaches to each full block of a prompt of `num_tokens`.
 
-    ``mm_inputs`` are sorted by offset, as vLLM keeps them.
-    ``prompt_embeds_hashes`` gives one digest per full block (vLLM's
-    ``sha256`` of the block's embedding rows). The result has one entry per
+    `mm_inputs` are sorted by offset, as vLLM keeps them.
+    `prompt_embeds_hashes` gives one digest per full block (vLLM's
+    `sha256` of the block's embedding rows). The result has one entry per
     full block: a list, or None where vLLM sends None.
     """
     if type(num_tokens) is not int or num_tokens < 0:
@@ -99,8 +99,8 @@ def vllm_extra_keys(
 def split_lora(lora_name: str | None, extra: Sequence[Any] | None) -> Sequence[Any] | None:
     """A block's extra keys without the adapter name vLLM repeats at their head.
 
-    ``None`` when nothing else is left, so that ``(lora_name, None)`` and vLLM's
-    ``(lora_name, [lora_name])`` name the same block.
+    `None` when nothing else is left, so that `(lora_name, None)` and vLLM's
+    `(lora_name, [lora_name])` name the same block.
     """
     if extra is None:
         return None

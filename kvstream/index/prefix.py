@@ -1,25 +1,25 @@
 """The prefix index: which stream holds how long a prefix of a prompt, on which tiers.
 
-:class:`PrefixIndex` is fed batches (from any subscriber, or in-process from a
-``QueueSink``) and answers :meth:`PrefixIndex.match`: for a prompt, every
+`PrefixIndex` is fed batches (from any subscriber, or in-process from a
+`QueueSink`) and answers `PrefixIndex.match()`: for a prompt, every
 stream holding its first block, with the leading blocks it holds on any tier,
 on each tier, and a score from tier weights, best first.
 
-A *stream* is one ``(origin, data_parallel_rank)``: data-parallel ranks of one
+A *stream* is one `(origin, data_parallel_rank)`: data-parallel ranks of one
 engine are kept apart. State, per block, is integers in dicts (no object per
 block), so the garbage collector never walks it:
 
-* ``nodes``: own hash -> holders, an integer with one bit per (tier, stream
-  slot): bit ``tier * width + slot``. ``width`` is a power of two >= the number
+* `nodes`: own hash -> holders, an integer with one bit per (tier, stream
+  slot): bit `tier * width + slot`. `width` is a power of two >= the number
   of slots; tiers are numbered in the order the index first sees them.
-* per stream, ``blocks``: engine hash (folded to 60 bits) -> own hash (for an
-  engine block spanning several index blocks, the last; ``spans`` keeps them
-  all); ``dups``: extra references when a tier holding a block stores it again;
-  ``recent``: the last ``keep_removed`` blocks that left every tier;
-  ``orphans``: blocks whose parent chain is unknown, kept (as their hash
+* per stream, `blocks`: engine hash (folded to 60 bits) -> own hash (for an
+  engine block spanning several index blocks, the last; `spans` keeps them
+  all); `dups`: extra references when a tier holding a block stores it again;
+  `recent`: the last `keep_removed` blocks that left every tier;
+  `orphans`: blocks whose parent chain is unknown, kept (as their hash
   values) until it is.
 
-See ``docs/prefix-index.md`` for the semantics of every edge case and measured numbers.
+See `docs/prefix-index.md` for the semantics of every edge case and measured numbers.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ log = logging.getLogger("kvstream.index")
 TIER_PREFERENCE: Final = ("GPU", "CPU_PINNED", "CPU", "DISK", "EXTERNAL", "STORAGE")
 
 #: What one block on a tier is worth to a router (llm-d scores GPU 1.0, CPU 0.8;
-#: Dynamo credits lower tiers less). A tier not named here weighs ``default_weight``.
+#: Dynamo credits lower tiers less). A tier not named here weighs `default_weight`.
 DEFAULT_TIER_WEIGHTS: Final[Mapping[str, float]] = MappingProxyType(
     {
         "GPU": 1.0,
@@ -69,7 +69,7 @@ DEFAULT_TIER_WEIGHTS: Final[Mapping[str, float]] = MappingProxyType(
     }
 )
 
-#: Distinct ``medium`` strings one index accepts (events on more are counted and ignored).
+#: Distinct `medium` strings one index accepts (events on more are counted and ignored).
 MAX_TIERS: Final = 16
 
 #: Retired epochs remembered per stream (their late batches are dropped and counted).
@@ -80,17 +80,17 @@ _HASH_MASK: Final = (1 << 60) - 1
 _TIER_SHIFT: Final = 60  # dups key: own hash | tier << 60
 _EMPTY: Final[Mapping[str, int]] = MappingProxyType({})
 
-#: ``(origin, data_parallel_rank)``: what the index keys a stream by.
+#: `(origin, data_parallel_rank)`: what the index keys a stream by.
 StreamKey = tuple[str, int | None]
 
 
 class PrefixMatch(NamedTuple):
     """One stream's hit for a prompt.
 
-    ``blocks`` leading blocks are held on some tier; ``medium`` is the fastest
-    tier holding the last of them; ``tiers`` gives, per tier, the leading blocks
-    held on that tier alone; ``score`` sums, over the ``blocks`` blocks, the
-    weight of the best tier holding each. ``stale`` is True when the index
+    `blocks` leading blocks are held on some tier; `medium` is the fastest
+    tier holding the last of them; `tiers` gives, per tier, the leading blocks
+    held on that tier alone; `score` sums, over the `blocks` blocks, the
+    weight of the best tier holding each. `stale` is True when the index
     missed some of the stream's events since its last snapshot or restart: the
     answer is then the best the index knows, not a certainty.
     """
@@ -126,10 +126,10 @@ class OriginStatistics(NamedTuple):
 
 
 class IndexStatistics(NamedTuple):
-    """An immutable snapshot of :meth:`PrefixIndex.statistics`."""
+    """An immutable snapshot of `PrefixIndex.statistics()`."""
 
     block_size: int
-    #: keyed by origin, or ``origin/dpN`` for a stream with a data-parallel rank
+    #: keyed by origin, or `origin/dpN` for a stream with a data-parallel rank
     origins: Mapping[str, OriginStatistics]
     #: blocks (own hashes) held by at least one stream
     distinct_blocks: int
@@ -251,23 +251,23 @@ def _fold_all(hashes: list[BlockHash]) -> list[int]:
 class PrefixIndex:
     """Which stream holds how long a prefix of a prompt, on which tiers.
 
-    ``block_size`` is the index's; events whose block size is a multiple of it
+    `block_size` is the index's; events whose block size is a multiple of it
     are split into index blocks (1:many), others are counted and ignored.
-    ``seed`` keys the index's own block hashes. ``keep_removed`` blocks per
+    `seed` keys the index's own block hashes. `keep_removed` blocks per
     stream are remembered after they leave every tier, so that late placeholders
-    and children still resolve; ``max_orphans`` bounds, per stream, the blocks
+    and children still resolve; `max_orphans` bounds, per stream, the blocks
     kept while their parent chain is unknown (the oldest go first).
 
-    ``tier_weights`` (default :data:`DEFAULT_TIER_WEIGHTS`, other tiers
-    ``default_weight``) score matches. ``ttl`` drops a stream after that many
-    seconds without a batch or :meth:`heartbeat` (``clock`` tells the time;
-    monotonic by default). ``max_blocks`` bounds the (stream, block) entries:
-    past it the least recently stored are evicted, counted. ``lookup_table``
+    `tier_weights` (default `DEFAULT_TIER_WEIGHTS`, other tiers
+    `default_weight`) score matches. `ttl` drops a stream after that many
+    seconds without a batch or `heartbeat()` (`clock` tells the time;
+    monotonic by default). `max_blocks` bounds the (stream, block) entries:
+    past it the least recently stored are evicted, counted. `lookup_table`
     keeps a numpy copy of the nodes for fast matches (about 32 to 64 bytes per
     distinct block; False looks up in the dict, slower at a million blocks).
 
-    Feed it with :meth:`apply` (batches and :class:`~kvstream.consumers.Gap`
-    items, in stream order) and ask :meth:`match`. Not thread-safe: use it from
+    Feed it with `apply()` (batches and [`Gap`][kvstream.consumers.base.Gap]
+    items, in stream order) and ask `match()`. Not thread-safe: use it from
     one task, as the subscriber loop that feeds it.
     """
 
@@ -366,14 +366,14 @@ class PrefixIndex:
     # -- feeding -------------------------------------------------------------------------
 
     def apply(self, item: EventBatch | Gap, origin: str | None = None) -> None:
-        """Apply a batch (or a subscriber's :class:`Gap`) of ``origin`` (default: its own).
+        """Apply a batch (or a subscriber's `Gap`) of `origin` (default: its own).
 
-        The stream is ``(origin, batch.data_parallel_rank)``. Batches must come
-        in stream order per stream. Continuity is checked on ``(epoch, seq)``: a
-        batch already applied is skipped (counted), a jump in ``seq`` marks the
-        stream stale, a new ``epoch`` drops the stream's state (it restarted), a
+        The stream is `(origin, batch.data_parallel_rank)`. Batches must come
+        in stream order per stream. Continuity is checked on `(epoch, seq)`: a
+        batch already applied is skipped (counted), a jump in `seq` marks the
+        stream stale, a new `epoch` drops the stream's state (it restarted), a
         batch of an epoch the stream already left is dropped (counted in
-        ``retired_epoch_batches``), and a first batch with ``seq > 0`` marks it
+        `retired_epoch_batches`), and a first batch with `seq > 0` marks it
         stale (the index joined late).
         """
         now = self._clock()
@@ -435,9 +435,9 @@ class PrefixIndex:
         """The hash values of every index block of the batch's stores, in one numpy pass.
 
         Returns event position -> (values, first, run end), for stores with tokens
-        of a block size the index maps: ``values`` has ``block_size // index
-        block size`` per engine block; ``first`` is where they start in the
-        batch's value array (kept in ``self._batch_fin``), and ``run end`` where
+        of a block size the index maps: `values` has `block_size // index
+        block size` per engine block; `first` is where they start in the
+        batch's value array (kept in `self._batch_fin`), and `run end` where
         the run of stores chained one on the previous one ends (their hashes are
         then chained in one numpy pass).
         """
@@ -509,7 +509,7 @@ class PrefixIndex:
         return result
 
     def heartbeat(self, origin: str, data_parallel_rank: int | None = None) -> bool:
-        """Mark a stream alive now (for ``ttl``), as a batch would. False if unknown."""
+        """Mark a stream alive now (for `ttl`), as a batch would. False if unknown."""
         state = self._streams.get((origin, data_parallel_rank))
         if state is None:
             return False
@@ -517,9 +517,9 @@ class PrefixIndex:
         return True
 
     def expire(self, now: float | None = None) -> list[StreamKey]:
-        """Drop every stream idle for more than ``ttl`` seconds; return their keys.
+        """Drop every stream idle for more than `ttl` seconds; return their keys.
 
-        Called by :meth:`apply` and :meth:`match` at most once per ``ttl`` on
+        Called by `apply()` and `match()` at most once per `ttl` on
         their own; call it to expire sooner. Each expiry is counted and logged.
         """
         if self.ttl is None:
@@ -543,7 +543,7 @@ class PrefixIndex:
     def mark_stale(
         self, origin: str, reason: str = "marked stale", data_parallel_rank: int | None = None
     ) -> None:
-        """Mark a stream stale until its next snapshot (``AllBlocksCleared``) or epoch."""
+        """Mark a stream stale until its next snapshot (`AllBlocksCleared`) or epoch."""
         key = (origin, data_parallel_rank)
         state = self._streams.get(key)
         if state is None:
@@ -551,8 +551,8 @@ class PrefixIndex:
         self._set_stale(state, reason)
 
     def forget(self, origin: str, data_parallel_rank: int | EllipsisType | None = ...) -> bool:
-        """Drop everything about ``origin`` (an engine that is gone): every rank of
-        it, or only ``data_parallel_rank`` when given. False if unknown."""
+        """Drop everything about `origin` (an engine that is gone): every rank of
+        it, or only `data_parallel_rank` when given. False if unknown."""
         keys = [
             k
             for k in self._streams
@@ -631,7 +631,7 @@ class PrefixIndex:
             state.held.append(0)
 
     def _set_width(self, width: int) -> None:
-        """Re-lay every node for ``width`` slots per tier (rare: width doubles)."""
+        """Re-lay every node for `width` slots per tier (rare: width doubles)."""
         old = self._width
         field = (1 << old) - 1
         tiers = range(len(self._tiers))
@@ -650,7 +650,7 @@ class PrefixIndex:
             self._set_bits(state)
 
     def _tier(self, medium: str | None) -> int:
-        """The index of ``medium`` (None is GPU); -1 when there are too many tiers."""
+        """The index of `medium` (None is GPU); -1 when there are too many tiers."""
         name = "GPU" if medium is None else medium
         t = self._tier_index.get(name)
         if t is not None:
@@ -827,7 +827,7 @@ class PrefixIndex:
             self._evict()
 
     def _evict(self) -> None:
-        """Drop least recently stored (stream, block) entries down to ``max_blocks``."""
+        """Drop least recently stored (stream, block) entries down to `max_blocks`."""
         lru = self._lru
         assert lru is not None
         assert self.max_blocks is not None
@@ -846,7 +846,7 @@ class PrefixIndex:
             self._counts["evicted"] += 1
 
     def _drop_own(self, state: _Stream, own: int) -> None:
-        """Remove ``own`` from every tier of ``state`` (and its extra references)."""
+        """Remove `own` from every tier of `state` (and its extra references)."""
         nodes = self._nodes
         v = nodes.get(own, 0)
         for t, bit in enumerate(state.bits):
@@ -964,7 +964,7 @@ class PrefixIndex:
                     del spans[key]
 
     def _unref(self, state: _Stream, own: int, t: int, bit: int) -> bool:
-        """One reference fewer to ``own`` on tier ``t``; False (counted) if it had none."""
+        """One reference fewer to `own` on tier `t`; False (counted) if it had none."""
         nodes = self._nodes
         v = nodes.get(own, 0)
         if not v & bit:
@@ -1044,7 +1044,7 @@ class PrefixIndex:
                 del state.waiting[orphan.parent]
 
     def _resolve(self, state: _Stream, key: int, own: int) -> None:
-        """``key`` is now known as ``own``: merge its orphan record, chain its waiting children."""
+        """`key` is now known as `own`: merge its orphan record, chain its waiting children."""
         orphans = state.orphans
         if key in orphans:
             orphan = orphans[key]
@@ -1087,7 +1087,7 @@ class PrefixIndex:
         *,
         extra_keys: Sequence[Sequence[Any] | None] | None = None,
     ) -> list[int]:
-        """The index's own hash of every full block of ``token_ids``."""
+        """The index's own hash of every full block of `token_ids`."""
         n = len(token_ids) // self._hasher.block_size
         out: list[int] = self._own_hashes(token_ids, n, lora_name, extra_keys).tolist()
         return out
@@ -1101,7 +1101,7 @@ class PrefixIndex:
         *,
         probe: bool = False,
     ) -> Any:
-        """The prompt's own hashes (a uint64 array); with ``probe``, None when no stream
+        """The prompt's own hashes (a uint64 array); with `probe`, None when no stream
         holds its first block (checked before the rest is hashed: a miss stays cheap)."""
         if extra_keys is not None:
             extra_keys = [split_lora(lora_name, e) for e in extra_keys]
@@ -1142,12 +1142,12 @@ class PrefixIndex:
         include_stale: bool = True,
         tier_weights: Mapping[str, float] | None = None,
     ) -> list[PrefixMatch]:
-        """Per stream holding the first block of ``token_ids``: how many leading blocks.
+        """Per stream holding the first block of `token_ids`: how many leading blocks.
 
-        Only full blocks count. ``lora_name`` alone matches vLLM's LoRA blocks;
-        ``extra_keys`` gives one entry per block, as vLLM sends them (see
-        :func:`kvstream.index.keys.vllm_extra_keys`). Stale streams are
-        included, flagged, unless ``include_stale=False``. ``tier_weights``
+        Only full blocks count. `lora_name` alone matches vLLM's LoRA blocks;
+        `extra_keys` gives one entry per block, as vLLM sends them (see
+        `kvstream.index.keys.vllm_extra_keys()`). Stale streams are
+        included, flagged, unless `include_stale=False`. `tier_weights`
         overrides the index's for this query. Best first: highest score, then
         most blocks, fresh before stale, the faster tier, then by origin and rank.
         """
@@ -1168,7 +1168,7 @@ class PrefixIndex:
         include_stale: bool = True,
         tier_weights: Mapping[str, float] | None = None,
     ) -> list[PrefixMatch]:
-        """:meth:`match` for tokens given as uint32 little-endian bytes (the fast path)."""
+        """`match()` for tokens given as uint32 little-endian bytes (the fast path)."""
         if len(data) % 4:
             raise ConfigError(
                 f"token bytes: expected a multiple of 4 (uint32 little-endian), got {len(data)}"
@@ -1192,10 +1192,10 @@ class PrefixIndex:
         include_stale: bool = True,
         tier_weights: Mapping[str, float] | None = None,
     ) -> list[PrefixMatch]:
-        """:meth:`match` for a prompt given as an engine's block hashes (Dynamo's
-        ``query_by_hash``).
+        """`match()` for a prompt given as an engine's block hashes (Dynamo's
+        `query_by_hash`).
 
-        The hashes are translated to the index's own through ``origin``'s
+        The hashes are translated to the index's own through `origin`'s
         stream when given, else through any stream that reported them (engines
         sharing a hash seed give a block the same hash). A hash no stream knows
         ends the prompt there.
@@ -1225,7 +1225,7 @@ class PrefixIndex:
         include_stale: bool,
         tier_weights: Mapping[str, float] | None,
     ) -> list[PrefixMatch]:
-        """``own``: the prompt's own hashes, a list or a uint64 array."""
+        """`own`: the prompt's own hashes, a list or a uint64 array."""
         if self.ttl is not None:
             now = self._clock()
             if now >= self._next_expiry:
@@ -1247,7 +1247,7 @@ class PrefixIndex:
         alive = active  # slots still within their any-tier leading run
         ended_at: dict[int, tuple[int, int]] = {}  # slot -> (blocks, holders of the last)
         tier_len: dict[int, int] = {}  # (tier, slot) bit -> leading blocks on that tier
-        #: blocks per distinct holders value since ``alive`` last changed (scored in bulk)
+        #: blocks per distinct holders value since `alive` last changed (scored in bulk)
         segment: dict[int, int] = {}
         score: dict[int, float] = {}
         weights = self._weights(tier_weights)
@@ -1331,7 +1331,7 @@ class PrefixIndex:
         return results
 
     def _holders(self, own: Any, n: int) -> tuple[list[tuple[int, int]], list[int]]:
-        """Runs ``[start, end)`` of blocks with equal holders, and those holders, up to the
+        """Runs `[start, end)` of blocks with equal holders, and those holders, up to the
         prompt's end; nothing when no stream holds the first block."""
         if not self._nodes.get(int(own[0])):  # the usual miss: nothing to look up
             return [], []
@@ -1375,7 +1375,7 @@ class PrefixIndex:
     def _score(
         self, segment: dict[int, int], alive: int, weights: list[float], score: dict[int, float]
     ) -> None:
-        """Add, per slot of ``alive``, its blocks of ``segment`` times their best tier's weight."""
+        """Add, per slot of `alive`, its blocks of `segment` times their best tier's weight."""
         width = self._width
         field = (1 << width) - 1
         order = sorted(range(len(weights)), key=lambda t: -weights[t])
@@ -1405,18 +1405,18 @@ class PrefixIndex:
     # -- state -------------------------------------------------------------------------------
 
     def dump(self) -> bytes:
-        """The whole state as bytes, versioned (see :mod:`kvstream.index.state`).
+        """The whole state as bytes, versioned (see `kvstream.index.state`).
 
-        Taken between two batches, it holds each stream up to its ``next_seq``
-        (in ``statistics()``): resume each subscription from there.
+        Taken between two batches, it holds each stream up to its `next_seq`
+        (in `statistics()`): resume each subscription from there.
         """
         from kvstream.index.state import dump_index
 
         return dump_index(self)
 
     def load(self, data: bytes) -> None:
-        """Load what :meth:`dump` returned into this index, which must be empty and
-        have the same ``block_size`` and ``seed`` (a :class:`ConfigError` says
+        """Load what `dump()` returned into this index, which must be empty and
+        have the same `block_size` and `seed` (a `ConfigError` says
         which field differs). Other settings (weights, ttl, bounds) are this index's."""
         from kvstream.index.state import load_index
 
@@ -1429,7 +1429,7 @@ class PrefixIndex:
         return list(dict.fromkeys(name for name, _ in self._streams))
 
     def streams(self) -> list[StreamKey]:
-        """The ``(origin, data_parallel_rank)`` streams the index knows."""
+        """The `(origin, data_parallel_rank)` streams the index knows."""
         return list(self._streams)
 
     def statistics(self) -> IndexStatistics:
@@ -1487,7 +1487,7 @@ class PrefixIndex:
 
 
 def _runs(changed: list[bool], n: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of each run of equal values, from ``changed[i]``: item i != item i+1."""
+    """`[start, end)` of each run of equal values, from `changed[i]`: item i != item i+1."""
     out = []
     start = 0
     find = changed.index

@@ -1,6 +1,6 @@
-"""A :class:`~kvstream.index.PrefixIndex` saved to bytes and loaded back (``dump`` / ``load``).
+"""A `PrefixIndex` saved to bytes and loaded back (`dump` / `load`).
 
-The file is one msgpack map, versioned::
+The file is one msgpack map, versioned:
 
     {"format": "kvstream.prefix-index", "version": 1,
      "block_size": 16, "root": <the hash root: seed and block size must match>,
@@ -12,10 +12,10 @@ The file is one msgpack map, versioned::
                   "spans", "dups", "recent_keys", "recent_owns", "orphans"}, ...],
      "lru": [[stream position, engine key], ...]}   # with max_blocks, oldest first
 
-``keys``, ``owns``, ``recent_*`` are uint64 little-endian arrays and ``masks``
+`keys`, `owns`, `recent_*` are uint64 little-endian arrays and `masks`
 uint16: a million blocks take about 18 MB. A dump is taken between two batches
 (the index is fed from one task), so it holds, per stream, exactly the batches
-before its ``next_seq``: a subscriber resumes each stream from there.
+before its `next_seq`: a subscriber resumes each stream from there.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def _mask(v: int, slot: int, width: int, ntiers: int) -> int:
 
 
 def load_index(index: PrefixIndex, data: bytes) -> None:
-    """Load ``data`` (from :func:`dump_index`) into ``index``, which must be empty
+    """Load `data` (from `dump_index()`) into `index`, which must be empty
     and have the same block size and seed."""
     if index._streams or index._nodes:
         raise ConfigError("PrefixIndex.load: expected an empty index (load before feeding it)")

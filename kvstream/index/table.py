@@ -6,7 +6,7 @@ two uint64 arrays (keys, values) with open addressing and linear probing: all
 of a prompt's hashes are probed in one vectorized pass, so their misses overlap.
 
 It is a cache, kept in step lazily: the index records which own hashes it
-changed (:attr:`NodeTable.dirty`), and :meth:`NodeTable.sync` writes their
+changed (`NodeTable.dirty`), and `NodeTable.sync()` writes their
 current values before the next lookup. A key whose value became 0 stays, with
 value 0 (a miss); the table is rebuilt from the dict when dead and live keys
 fill half of it. Holders wider than 64 bits (many streams times many tiers)
@@ -98,7 +98,7 @@ class NodeTable:
             self._upsert(k, v)
 
     def _upsert(self, k: U64, v: U64) -> None:
-        """Set ``k -> v`` for distinct keys ``k``, probing all of them at once."""
+        """Set `k -> v` for distinct keys `k`, probing all of them at once."""
         import numpy as np
 
         rows = self._rows
@@ -130,7 +130,7 @@ class NodeTable:
     def lookup(self, own: Any) -> Any:
         """Holders of each own hash (a uint64 array), 0 where none.
 
-        Each key's first ``_WINDOW`` slots are read in one gather (two cache lines);
+        Each key's first `_WINDOW` slots are read in one gather (two cache lines);
         the rare key whose run of occupied slots is longer is probed on.
         """
         import numpy as np

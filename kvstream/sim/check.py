@@ -1,16 +1,16 @@
 """Checking that a stream of batches describes a consistent cache.
 
-Per origin and tier (``medium``) the checker keeps the set of blocks held and
-refuses, with :class:`ConsistencyError`:
+Per origin and tier (`medium`) the checker keeps the set of blocks held and
+refuses, with `ConsistencyError`:
 
-* a ``BlockRemoved`` of a block the tier does not hold;
-* a ``BlockStored`` whose non-null parent the tier does not hold (within one
+* a `BlockRemoved` of a block the tier does not hold;
+* a `BlockStored` whose non-null parent the tier does not hold (within one
   event, each block's parent is the block before it);
-* a ``BlockStored`` of a block the tier already holds;
-* a batch whose ``seq`` is not the next one of its ``(origin, epoch)``
+* a `BlockStored` of a block the tier already holds;
+* a batch whose `seq` is not the next one of its `(origin, epoch)`
   (contiguous from 0; a new epoch starts a new, empty state).
 
-``AllBlocksCleared`` empties every tier of its origin (vLLM gives it no tier).
+`AllBlocksCleared` empties every tier of its origin (vLLM gives it no tier).
 """
 
 from __future__ import annotations
@@ -44,13 +44,13 @@ class ConsistencyReport:
 def check_consistency(
     batches: Iterable[EventBatch], *, start_seq: int | None = 0, joined_late: bool = False
 ) -> ConsistencyReport:
-    """Check ``batches`` (in stream order); see the module doc. Returns a summary.
+    """Check `batches` (in stream order); see the module doc. Returns a summary.
 
-    ``start_seq=None`` accepts a first batch of any seq (a stream joined late,
+    `start_seq=None` accepts a first batch of any seq (a stream joined late,
     whose state before it is unknown: then removals of unknown blocks are not
-    errors until a snapshot or clear). ``joined_late=True`` also judges an
+    errors until a snapshot or clear). `joined_late=True` also judges an
     origin whose first batch is seq 0 that way (a relay that joined its upstream
-    late numbers from 0); it implies ``start_seq=None``.
+    late numbers from 0); it implies `start_seq=None`.
     """
     if joined_late:
         start_seq = None

@@ -1,19 +1,19 @@
 """A small, real prefix-cache engine: the demo's and the benchmarks' workload.
 
 * The **GPU block pool** (the cache manager) chunks each prompt into blocks of
-  ``block_size`` tokens, chains their hashes (sha256, low 64 bits), reuses the
-  longest cached prefix, stores the new full blocks (``BlockStored``, medium
-  ``GPU``) and evicts least recently used leaves when full (``BlockRemoved``).
-  ``reset_every`` steps it is reset (``AllBlocksCleared``; every tier empties).
+  `block_size` tokens, chains their hashes (sha256, low 64 bits), reuses the
+  longest cached prefix, stores the new full blocks (`BlockStored`, medium
+  `GPU`) and evicts least recently used leaves when full (`BlockRemoved`).
+  `reset_every` steps it is reset (`AllBlocksCleared`; every tier empties).
 * The **CPU offload connector** receives the blocks the GPU evicts and keeps
   them (with the ancestors it lacks) in a larger CPU tier. It is written as an
   async generator, the way a connector doing real copies would be.
 * The **remote store connector** writes every newly computed block through to
-  a remote store (medium ``EXTERNAL``); it is written vLLM-style, with
-  ``take_events()``, and polled by the scheduler once per tick.
+  a remote store (medium `EXTERNAL`); it is written vLLM-style, with
+  `take_events()`, and polled by the scheduler once per tick.
 
-Feed a scheduler with :meth:`SimulatedEngine.attach` and :meth:`astep`, or take
-each step's events synchronously with :meth:`step_events` (for pre-generating
+Feed a scheduler with `SimulatedEngine.attach()` and `astep()`, or take
+each step's events synchronously with `step_events()` (for pre-generating
 benchmark input).
 """
 
@@ -38,7 +38,7 @@ __all__ = ["CpuOffloadConnector", "RemoteStoreConnector", "SimulatedEngine"]
 
 
 class RemoteStoreConnector:
-    """Write-through to a remote KV store, vLLM-style: events via ``take_events()``."""
+    """Write-through to a remote KV store, vLLM-style: events via `take_events()`."""
 
     def __init__(self, tier: Tier) -> None:
         self.tier = tier
@@ -187,7 +187,7 @@ class SimulatedEngine:
         return blocks
 
     def serve(self, requests: list[Request]) -> None:
-        """Run one engine step over ``requests``; the events wait to be taken."""
+        """Run one engine step over `requests`; the events wait to be taken."""
         self.steps_done += 1
         if self.reset_every and self.steps_done % self.reset_every == 0:
             self.reset()
@@ -230,7 +230,7 @@ class SimulatedEngine:
         self.cpu.offload(evicted)
 
     def step(self) -> None:
-        """One step over the workload's next ``requests_per_step`` requests."""
+        """One step over the workload's next `requests_per_step` requests."""
         self.serve(self.workload.next_requests(self.requests_per_step))
 
     def take_gpu_events(self) -> list[KVCacheEvent]:
@@ -248,7 +248,7 @@ class SimulatedEngine:
     # -- feeding a scheduler -----------------------------------------------------------
 
     def step_events(self) -> list[KVCacheEvent]:
-        """Run :meth:`step` and return all its events in batch order, synchronously."""
+        """Run `step()` and return all its events in batch order, synchronously."""
         self.step()
         events = self.take_gpu_events()
         events.extend(self.cpu.process_pending())
@@ -267,8 +267,8 @@ class SimulatedEngine:
         scheduler.add_source(from_take_events(self.remote, name="remote-store"))
 
     async def astep(self, scheduler: Scheduler, requests: list[Request] | None = None) -> None:
-        """One step: GPU events to ``scheduler.emit``, CPU events through the async
-        source (waited for, so they make this step's batch). Then call ``tick()``."""
+        """One step: GPU events to `scheduler.emit`, CPU events through the async
+        source (waited for, so they make this step's batch). Then call `tick()`."""
         if requests is None:
             self.step()
         else:

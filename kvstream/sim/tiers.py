@@ -2,8 +2,8 @@
 
 Every tier holds a forest of block chains that is closed under "parent": a
 block is stored only when its parent is held (or it is a root), and only leaves
-are evicted (least recently used first). So every ``BlockStored`` a tier emits
-names a parent the tier holds, and every ``BlockRemoved`` names a block it
+are evicted (least recently used first). So every `BlockStored` a tier emits
+names a parent the tier holds, and every `BlockRemoved` names a block it
 holds: the consistency rules consumers rely on hold by construction.
 """
 
@@ -71,7 +71,7 @@ class Registry:
 
 
 class Tier:
-    """One storage tier (``medium``) of one engine; see the module doc."""
+    """One storage tier (`medium`) of one engine; see the module doc."""
 
     def __init__(self, medium: str, capacity: int, block_size: int, registry: Registry) -> None:
         self.medium = medium
@@ -132,7 +132,7 @@ class Tier:
             self.lru[h] = None
 
     def evict(self, n: int, keep: set[int]) -> list[BlockInfo]:
-        """Remove up to ``n`` least recently used leaves not in ``keep``; returns them."""
+        """Remove up to `n` least recently used leaves not in `keep`; returns them."""
         out: list[BlockInfo] = []
         while len(out) < n:
             victim = next((h for h in self.lru if h not in keep), None)
@@ -155,7 +155,7 @@ class Tier:
     # -- storing chains ------------------------------------------------------------
 
     def store_chain(self, chain: list[BlockInfo]) -> list[KVCacheEvent]:
-        """Store ``chain`` (root first, each the parent of the next; the first one's
+        """Store `chain` (root first, each the parent of the next; the first one's
         parent held here or None), evicting leaves to make room. Returns the events:
         one BlockRemoved for what was evicted, one BlockStored per run of new blocks.
         """
@@ -210,9 +210,9 @@ class Tier:
     def chain_to(
         self, h: int, extra: Mapping[int, BlockInfo] | None = None
     ) -> list[BlockInfo] | None:
-        """``h`` and its ancestors not held here, root first; None if one is unknown.
+        """`h` and its ancestors not held here, root first; None if one is unknown.
 
-        Blocks are looked up in ``extra`` (just evicted elsewhere), then the registry.
+        Blocks are looked up in `extra` (just evicted elsewhere), then the registry.
         """
         chain: list[BlockInfo] = []
         cur: int | None = h

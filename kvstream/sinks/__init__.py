@@ -1,4 +1,4 @@
-"""Sinks: where sealed batches go. The contract and its machinery are in ``base``."""
+"""Sinks: where sealed batches go. The contract and its machinery are in `base`."""
 
 from kvstream.sinks.base import DeliveryReport, OverflowPolicy, Sink, SinkStatistics
 from kvstream.sinks.file import FileSink

@@ -1,28 +1,28 @@
 """The sink contract and the machinery every sink shares.
 
-A sink author writes one coroutine, :meth:`Sink.send`, that writes one encoded
-batch to the transport, plus :meth:`Sink.open` / :meth:`Sink.aclose` when the
+A sink author writes one coroutine, `Sink.send()`, that writes one encoded
+batch to the transport, plus `Sink.open()` / `Sink.aclose()` when the
 transport has a lifetime. Everything else lives here:
 
-* the **outbox**: bounded in batches and in bytes, filled by :meth:`Sink.offer`
+* the **outbox**: bounded in batches and in bytes, filled by `Sink.offer()`
   (synchronous, called from the scheduler's tick) and emptied by the writer task;
-* the **overflow policy** when the outbox is full: ``block`` (the tick waits:
-  backpressure), ``drop_oldest`` or ``drop_newest`` (the tick never waits; every
+* the **overflow policy** when the outbox is full: `block` (the tick waits:
+  backpressure), `drop_oldest` or `drop_newest` (the tick never waits; every
   dropped batch and event is counted, and since sinks never renumber, a drop is a
-  visible gap in ``seq`` downstream);
+  visible gap in `seq` downstream);
 * **encoding**, when the batch is offered (on the scheduler's tick): once per
   codec per batch, shared by every sink of the scheduler that uses an equal codec
-  (:mod:`kvstream.sinks.encoding`), so the outbox holds encoded bytes and is
+  (`kvstream.sinks.encoding`), so the outbox holds encoded bytes and is
   bounded by what they cost;
 * the **inline write**: a sink whose transport can take a batch without waiting
-  (:meth:`Sink.send_nowait`: a ZMQ socket with room, an in-process queue) is
+  (`Sink.send_nowait()`: a ZMQ socket with room, an in-process queue) is
   written from the tick when nothing is queued or in flight ahead of the batch,
   without waking the writer task;
-* **faults**: a failing ``send`` is retried with exponential backoff (after
-  :meth:`Sink.recover`), logged once per burst, and never slows the other sinks;
-* **shutdown**: :meth:`Sink.drain` delivers what is queued within a deadline and
-  reports what it could not; :meth:`Sink.aclose` is idempotent;
-* :meth:`Sink.statistics`, an immutable record.
+* **faults**: a failing `send` is retried with exponential backoff (after
+  `Sink.recover()`), logged once per burst, and never slows the other sinks;
+* **shutdown**: `Sink.drain()` delivers what is queued within a deadline and
+  reports what it could not; [`Sink.aclose()`][kvstream.sinks.base.Sink.aclose] is idempotent;
+* [`Sink.statistics()`][kvstream.sinks.base.Sink.statistics], an immutable record.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ DEFAULT_MAX_BATCHES: Final = 100_000
 #: What a batch is assumed to cost before the sink has encoded one.
 #: What a queued batch costs beyond its encoded bytes (the outbox entry, the batch).
 _ENTRY_OVERHEAD: Final = 160
-#: A writer hop (``send_many``) carries at most this many bytes (or one batch).
+#: A writer hop (`send_many`) carries at most this many bytes (or one batch).
 #: Large, because a hop to a worker thread costs a GIL hand-off each way, which a
 #: busy loop makes slow (up to the interpreter's switch interval, 5 ms); bounded,
 #: so that what a hop holds is freed, and its memory reused, before the next.
@@ -87,7 +87,7 @@ class SinkStatistics(NamedTuple):
     #: allocated, plus a fixed cost per batch. The outbox is bounded by this.
     queued_bytes: int
     send_errors: int
-    #: False while ``send`` is failing and being retried.
+    #: False while `send` is failing and being retried.
     healthy: bool
     #: Batches still queued or in flight when the sink was closed.
     undelivered_batches: int
@@ -103,7 +103,7 @@ class DeliveryReport(NamedTuple):
     name: str
     undelivered_batches: int
     undelivered_events: int
-    #: The ``(origin, epoch, seq)`` of the first batch not delivered, if any.
+    #: The `(origin, epoch, seq)` of the first batch not delivered, if any.
     first_undelivered: tuple[str, str, int] | None
 
     @property
@@ -112,15 +112,15 @@ class DeliveryReport(NamedTuple):
 
 
 class Sink(ABC):
-    """Base class of every sink. Subclasses implement :meth:`send`.
+    """Base class of every sink. Subclasses implement `send()`.
 
     Use a sink as an async context manager (the scheduler does this for you): it
     opens the transport, runs the writer task, and on exit drains and closes.
     A sink takes batches only while it is entered: before, or after it closed,
-    :meth:`offer` and :meth:`put` raise :class:`~kvstream.errors.ClosedError`.
+    `offer()` and `put()` raise [`ClosedError`][kvstream.errors.ClosedError].
     """
 
-    #: How many queued batches :meth:`send_many` may receive at once. Sinks that
+    #: How many queued batches `send_many()` may receive at once. Sinks that
     #: can write several batches in one operation (a file) raise it. A hop also
     #: stops at 16 MiB of encoded bytes.
     max_coalesce: int = 1
@@ -171,7 +171,7 @@ class Sink(ABC):
         self._writer_waiting: anyio.Event | None = None
         self._space_waiters: list[anyio.Event] = []
         #: The sink's tasks (the writer; subclasses may start more). Closing cancels
-        #: its scope, which the owner's ``async with`` body is not in: see __aenter__.
+        #: its scope, which the owner's `async with` body is not in: see __aenter__.
         self._tg: TaskGroup | None = None
         self._host_tg: TaskGroup | None = None
         self._entered = False
@@ -207,42 +207,42 @@ class Sink(ABC):
     async def send(self, data: bytes, batch: EventBatch) -> None:
         """Write one encoded batch to the transport.
 
-        ``data`` is ``batch`` encoded by :attr:`codec` (``b""`` when the sink has no
+        `data` is `batch` encoded by `codec` (`b""` when the sink has no
         codec and hands over objects). Raise to signal failure: the same batch is
-        retried after a backoff and :meth:`recover`.
+        retried after a backoff and `recover()`.
         """
 
     def send_nowait(self, data: bytes, batch: EventBatch) -> bool:
         """Write one encoded batch now if the transport takes it without waiting.
 
         Optional. Called on the scheduler's tick, only when nothing is queued or
-        in flight ahead of ``batch``, so order is kept. Return True when the batch
-        was written (or given up with :meth:`discard`), False when writing it
-        would have to wait: the batch then goes to the outbox and :meth:`send`
+        in flight ahead of `batch`, so order is kept. Return True when the batch
+        was written (or given up with `discard()`), False when writing it
+        would have to wait: the batch then goes to the outbox and `send()`
         writes it. Write all of it or none of it; raising counts as a failed
-        attempt and leaves the batch to :meth:`send`. Keep it short and never
+        attempt and leaves the batch to `send()`. Keep it short and never
         block: it runs on the host's tick.
         """
         return False
 
     async def send_many(self, items: Sequence[tuple[bytes, EventBatch]]) -> None:
-        """Write several batches at once (up to :attr:`max_coalesce`).
+        """Write several batches at once (up to `max_coalesce`).
 
-        Overrides must write all of ``items`` or raise having written none of
+        Overrides must write all of `items` or raise having written none of
         them, so that a retry neither loses nor repeats a batch.
         """
         for data, batch in items:
             await self.send(data, batch)
 
     async def recover(self, exc: Exception) -> None:  # noqa: B027 - optional hook
-        """Called after ``send`` raised ``exc``, before the retry: reconnect here."""
+        """Called after `send` raised `exc`, before the retry: reconnect here."""
 
     async def aclose(self) -> None:
-        """Drain what is queued (within :attr:`close_timeout`), stop the writer.
+        """Drain what is queued (within `close_timeout`), stop the writer.
 
         Idempotent. Subclasses that hold a transport override it and call
-        ``await super().aclose()`` first, then release the transport (in a
-        ``finally``, so it is released even when draining fails).
+        `await super().aclose()` first, then release the transport (in a
+        `finally`, so it is released even when draining fails).
         """
         if self._closed:
             return
@@ -310,7 +310,7 @@ class Sink(ABC):
         return self._encoding
 
     def use_encoding(self, encoding: SharedEncoding) -> None:
-        """Take batches' bytes from ``encoding`` (a scheduler's group calls this).
+        """Take batches' bytes from `encoding` (a scheduler's group calls this).
 
         Only before the sink is entered, and only for an encoding of an equal codec.
         """
@@ -339,15 +339,15 @@ class Sink(ABC):
         return ClosedError(f"{self.name}: {what}: the sink is still opening")
 
     def offer(self, batch: EventBatch, *, force: bool = False) -> bool:
-        """Take ``batch`` without waiting: write it now, or queue it for the writer.
+        """Take `batch` without waiting: write it now, or queue it for the writer.
 
         The batch is encoded here (once per codec within a scheduler). Returns
-        False only when the outbox is full and the policy is ``block``: the
-        caller then awaits :meth:`put`. With a ``drop_*`` policy it always
-        returns True (dropping and counting what the policy says). ``force=True``
-        queues a batch past the bounds of a full ``block`` outbox: the scheduler
+        False only when the outbox is full and the policy is `block`: the
+        caller then awaits `put()`. With a `drop_*` policy it always
+        returns True (dropping and counting what the policy says). `force=True`
+        queues a batch past the bounds of a full `block` outbox: the scheduler
         does this for the last batches it seals when closing, which
-        :meth:`drain` then delivers or reports.
+        `drain()` then delivers or reports.
         """
         if not self._accepting:
             raise self._refusal("offer")
@@ -424,7 +424,7 @@ class Sink(ABC):
             self._refuse_burst = False
 
     async def put(self, batch: EventBatch) -> None:
-        """Take ``batch``, waiting for room when the policy is ``block``.
+        """Take `batch`, waiting for room when the policy is `block`.
 
         Cancelled while waiting, the batch was not taken (the scheduler keeps it
         and offers it again).
@@ -442,9 +442,9 @@ class Sink(ABC):
         )
 
     def discard(self, batch: EventBatch, reason: str) -> None:
-        """Count ``batch`` as dropped (never silently): logged once per burst.
+        """Count `batch` as dropped (never silently): logged once per burst.
 
-        For sinks whose ``send`` finds a batch undeliverable for good (the
+        For sinks whose `send` finds a batch undeliverable for good (the
         consumer went away); the writer then moves on to the next batch and does
         not count this one as sent.
         """
@@ -494,7 +494,7 @@ class Sink(ABC):
             )
 
     def _take(self) -> list[tuple[bytes, EventBatch]]:
-        """Pop the next hop: up to ``max_coalesce`` batches, 16 MiB at most (or one batch)."""
+        """Pop the next hop: up to `max_coalesce` batches, 16 MiB at most (or one batch)."""
         items: list[tuple[bytes, EventBatch]] = []
         outbox = self._outbox
         limit = self.max_coalesce
@@ -591,7 +591,7 @@ class Sink(ABC):
     # -- shutdown -----------------------------------------------------------------
 
     async def drain(self, timeout: float | None) -> DeliveryReport:
-        """Stop accepting batches and deliver what is queued within ``timeout``.
+        """Stop accepting batches and deliver what is queued within `timeout`.
 
         Returns (and remembers) what could not be delivered. A sink that was never
         started delivers nothing and reports everything queued.
@@ -638,8 +638,8 @@ class Sink(ABC):
 
     @property
     def batches_inline(self) -> int:
-        """Batches written straight from the tick (:meth:`send_nowait`), without
-        waking the writer task; ``statistics().batches_out`` counts them too."""
+        """Batches written straight from the tick (`send_nowait()`), without
+        waking the writer task; `statistics().batches_out` counts them too."""
         return self._batches_inline
 
     @property

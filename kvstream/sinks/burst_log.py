@@ -12,7 +12,7 @@ __all__ = ["BurstLog"]
 class BurstLog:
     """Logs the first of a burst of similar events at WARNING, the rest at DEBUG.
 
-    A burst ends ``window`` seconds after the last warning; the next warning
+    A burst ends `window` seconds after the last warning; the next warning
     says how many records the burst held beyond it.
     """
 
@@ -25,7 +25,7 @@ class BurstLog:
         self._suppressed = 0
 
     def log(self, msg: str, *args: object) -> None:
-        """Log ``msg % args``: at WARNING when a burst starts, else at DEBUG."""
+        """Log `msg % args`: at WARNING when a burst starts, else at DEBUG."""
         now = time.monotonic()
         if now - self._last >= self.window:
             if self._suppressed:

@@ -1,7 +1,7 @@
 """Encoding groups: each batch encoded once per codec, shared by every sink using it.
 
-A scheduler owns one :class:`EncodingGroup`. Every sink it feeds is joined to
-the group's :class:`SharedEncoding` for the sink's codec (codecs that compare
+A scheduler owns one `EncodingGroup`. Every sink it feeds is joined to
+the group's `SharedEncoding` for the sink's codec (codecs that compare
 equal share one). The scheduler hands a batch to its sinks one after another,
 so a shared encoding only has to remember the batch it encoded last: the first
 sink that needs the batch encodes it, the others get the same bytes. Nothing
@@ -11,8 +11,8 @@ per codec.
 A sink outside a scheduler has a private encoding of its own. Either way a sink
 encodes when the batch is offered to it (on the scheduler's tick), so its
 outbox holds encoded bytes and is bounded by what they really cost
-(:func:`held_bytes`), and a sink whose transport has room can write at once
-(see :meth:`kvstream.sinks.base.Sink.send_nowait`).
+(`held_bytes()`), and a sink whose transport has room can write at once
+(see [`kvstream.sinks.base.Sink.send_nowait()`][kvstream.sinks.base.Sink.send_nowait]).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ _PAGE: Final = 4096
 
 
 def held_bytes(nbytes: int) -> int:
-    """What a ``bytes`` of ``nbytes`` costs the process, allocator rounding included."""
+    """What a `bytes` of `nbytes` costs the process, allocator rounding included."""
     size = nbytes + _BYTES_HEADER
     if size >= _MMAP_THRESHOLD:
         return (size + 16 + _PAGE - 1) // _PAGE * _PAGE  # the chunk header, whole pages
@@ -43,9 +43,9 @@ class Encoded(NamedTuple):
     """One batch encoded by one codec."""
 
     data: bytes
-    #: The events a strict codec left out of ``data`` (empty otherwise).
+    #: The events a strict codec left out of `data` (empty otherwise).
     refused: tuple[Refusal, ...]
-    #: What ``data`` costs in memory (:func:`held_bytes`).
+    #: What `data` costs in memory (`held_bytes()`).
     cost: int
 
 
@@ -58,7 +58,7 @@ OBJECT_EVENT_COST: Final = 512
 class SharedEncoding:
     """One codec's encodings, shared by the sinks that use it.
 
-    :meth:`encode` remembers the last batch it encoded, by identity: asking
+    `encode()` remembers the last batch it encoded, by identity: asking
     again for that batch (the next sink, or a sink retrying a full outbox)
     returns the same bytes without encoding again.
     """
@@ -75,7 +75,7 @@ class SharedEncoding:
         self.users = 0
 
     def encode(self, batch: EventBatch) -> Encoded:
-        """``batch`` encoded (raises what the codec raises for a batch it cannot write)."""
+        """`batch` encoded (raises what the codec raises for a batch it cannot write)."""
         if batch is self._last_batch:
             return self._last
         codec = self.codec
@@ -98,7 +98,7 @@ class SharedEncoding:
 
 
 class EncodingGroup:
-    """The encodings of one scheduler: one :class:`SharedEncoding` per distinct codec."""
+    """The encodings of one scheduler: one `SharedEncoding` per distinct codec."""
 
     __slots__ = ("_encodings",)
 
@@ -106,7 +106,7 @@ class EncodingGroup:
         self._encodings: list[SharedEncoding] = []
 
     def encoding_for(self, codec: Codec | None) -> SharedEncoding:
-        """The shared encoding of ``codec`` (codecs that compare equal share one)."""
+        """The shared encoding of `codec` (codecs that compare equal share one)."""
         if codec is not None:
             for encoding in self._encodings:
                 if encoding.codec == codec:

@@ -3,14 +3,14 @@
 Writes run in a worker thread, several queued batches per hop (at most 1024
 batches and 16 MiB: the base class bounds a hop), so a slow disk
 never blocks the event loop; every batch is handed to the OS before it counts
-as sent (the file is unbuffered: one ``writev`` per hop, straight from the
+as sent (the file is unbuffered: one `writev` per hop, straight from the
 encoded batches, never concatenated into a new buffer). A write that fails
 half-way (disk full) is rolled back by truncating to where it began, so the
 retry neither loses nor repeats a line.
 
-With ``rotate_bytes`` and/or ``rotate_seconds`` the file is rotated between
-writes (``events.jsonl`` -> ``events.000001.jsonl``, ...), keeping the newest
-``keep`` rotated files: see :mod:`kvstream.sinks.rotation`.
+With `rotate_bytes` and/or `rotate_seconds` the file is rotated between
+writes (`events.jsonl` -> `events.000001.jsonl`, ...), keeping the newest
+`keep` rotated files: see [`kvstream.sinks.rotation`][kvstream.sinks.rotation].
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ __all__ = ["FileSink"]
 
 
 class FileSink(Sink):
-    """Append encoded batches to ``path`` (``"-"`` for standard output).
+    """Append encoded batches to `path` (`"-"` for standard output).
 
-    ``rotate_bytes`` (a size) and ``rotate_seconds`` rotate the file, ``keep``
-    bounds how many rotated files stay; ``clock`` (monotonic seconds) times
-    ``rotate_seconds``.
+    `rotate_bytes` (a size) and `rotate_seconds` rotate the file, `keep`
+    bounds how many rotated files stay; `clock` (monotonic seconds) times
+    `rotate_seconds`.
     """
 
     max_coalesce = 1024
@@ -104,7 +104,7 @@ class FileSink(Sink):
             self._file = self._open_file()
 
     def _write(self, chunks: Sequence[bytes]) -> None:
-        """Write ``chunks`` in order, all of them or (rolled back) none."""
+        """Write `chunks` in order, all of them or (rolled back) none."""
         if self.rotation is not None:
             self._rotate_if_due(sum(map(len, chunks)))
         f = self._file
@@ -151,7 +151,7 @@ _IOV_MAX: Final = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") 
 
 
 def _writev_all(fd: int, chunks: Sequence[bytes]) -> None:
-    """Write every chunk, in order, with as few ``writev`` calls as the OS allows."""
+    """Write every chunk, in order, with as few `writev` calls as the OS allows."""
     pending: list[bytes | memoryview] = list(chunks)
     while pending:
         written = os.writev(fd, pending[:_IOV_MAX])

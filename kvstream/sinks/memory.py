@@ -1,4 +1,4 @@
-"""In-process sinks: :class:`MemorySink` (the test double) and :class:`QueueSink`."""
+"""In-process sinks: `MemorySink` (the test double) and `QueueSink`."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ __all__ = ["MemorySink", "QueueSink"]
 
 
 class MemorySink(Sink):
-    """Keeps every delivered batch, as objects, in :attr:`batches`.
+    """Keeps every delivered batch, as objects, in `batches`.
 
     The public test double: put one in a scheduler and assert on what arrived.
-    ``delay`` (seconds per batch) simulates a slow transport.
+    `delay` (seconds per batch) simulates a slow transport.
     """
 
     def __init__(self, *, delay: float = 0.0, **options: Any) -> None:
@@ -47,9 +47,9 @@ class MemorySink(Sink):
 class QueueSink(Sink):
     """Hands batches, as objects, to an in-process consumer.
 
-    Iterate the sink (``async for batch in sink``: the loop ends once the sink is
-    closed and everything was handed over, and closes :attr:`receive_stream`), or
-    read :attr:`receive_stream` yourself and close it when done. The consumer's
+    Iterate the sink (`async for batch in sink`: the loop ends once the sink is
+    closed and everything was handed over, and closes `receive_stream`), or
+    read `receive_stream` yourself and close it when done. The consumer's
     pace is the sink's pace: batches wait in the sink's bounded outbox, under its
     policy, while the consumer is busy.
     """
@@ -68,7 +68,7 @@ class QueueSink(Sink):
             self.discard(batch, "the consumer closed its receive stream")
 
     def send_nowait(self, data: bytes, batch: EventBatch) -> bool:
-        """Hand ``batch`` over now if the consumer is waiting for one."""
+        """Hand `batch` over now if the consumer is waiting for one."""
         try:
             self._send_stream.send_nowait(batch)
         except anyio.WouldBlock:

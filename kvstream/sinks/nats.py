@@ -1,29 +1,29 @@
 """NatsSink: one JetStream message per batch, acknowledged and de-duplicated.
 
-``nats://HOST:PORT/SUBJECT?stream=NAME&create=true`` (nats-py, extra ``nats``).
-Each batch is published to ``SUBJECT`` (default ``kv.events.<origin>``, see
-:mod:`kvstream.wire.broker`) with its name in headers and
-``Nats-Msg-Id: <origin>:<epoch>:<seq>``; the sink waits for JetStream's ack
+`nats://HOST:PORT/SUBJECT?stream=NAME&create=true` (nats-py, extra `nats`).
+Each batch is published to `SUBJECT` (default `kv.events.<origin>`, see
+`kvstream.wire.broker`) with its name in headers and
+`Nats-Msg-Id: <origin>:<epoch>:<seq>`; the sink waits for JetStream's ack
 before the next batch, so batches are stored in order. When the server goes
-away the connection closes, ``send`` fails, and the base class retries the
-same batch with backoff after :meth:`NatsSink.recover` has reconnected; the
+away the connection closes, `send` fails, and the base class retries the
+same batch with backoff after `NatsSink.recover()` has reconnected; the
 retry carries the same message id, so a batch that was stored but whose ack
 was lost is dropped by the server as a duplicate (and, should the outage
 outlast the stream's duplicate window, the sink first asks the stream for the
 subject's last message and skips a batch it finds there).
 
 One batch is one message, never split: a batch whose message would exceed the
-server's ``max_payload`` (or the stream's ``max_msg_size``) is refused with a
+server's `max_payload` (or the stream's `max_msg_size`) is refused with a
 logged error and counted as dropped, which consumers see as a gap.
 
-Snapshots (opt-in: ``snapshot_every=N`` batches and/or ``snapshot_interval=T``
+Snapshots (opt-in: `snapshot_every=N` batches and/or `snapshot_interval=T`
 seconds): the sink keeps the state of the batches JetStream acknowledged
-(:class:`~kvstream.wire.broker.SinkSnapshots`) and, when one is due, publishes
-the origin's snapshot to the stream ``snapshot_stream`` (default
-``KV_SNAPSHOTS``, created when missing), which keeps the latest per origin
-(see :mod:`kvstream.wire.broker` and ``docs/recovery.md``). Heartbeats
-(opt-in: ``heartbeat=T`` seconds): every origin that delivered nothing for
-``T`` seconds announces its epoch and last seq on ``kv.heartbeat.<origin>``
+(`SinkSnapshots`) and, when one is due, publishes
+the origin's snapshot to the stream `snapshot_stream` (default
+`KV_SNAPSHOTS`, created when missing), which keeps the latest per origin
+(see `kvstream.wire.broker` and `docs/recovery.md`). Heartbeats
+(opt-in: `heartbeat=T` seconds): every origin that delivered nothing for
+`T` seconds announces its epoch and last seq on `kv.heartbeat.<origin>`
 (core NATS, not stored).
 """
 
@@ -85,12 +85,12 @@ _STREAM_EXISTS: Final = 10058  # JetStream: "stream name already in use"
 class NatsSink(Sink):
     """Publish every batch to NATS JetStream and wait for its ack.
 
-    ``subject``: where every batch goes; None publishes each batch to
-    ``kv.events.<origin>``. ``stream``: the JetStream stream that must cover
-    the subject (None: whichever does). With ``create=True`` a missing stream
-    is created (name ``stream`` or ``KV_EVENTS``, covering ``subject`` or
-    ``kv.events.>``) with ``storage``, ``max_age`` (seconds), ``max_msgs`` and
-    ``duplicate_window`` (seconds); when it exists, any of those given must
+    `subject`: where every batch goes; None publishes each batch to
+    `kv.events.<origin>`. `stream`: the JetStream stream that must cover
+    the subject (None: whichever does). With `create=True` a missing stream
+    is created (name `stream` or `KV_EVENTS`, covering `subject` or
+    `kv.events.>`) with `storage`, `max_age` (seconds), `max_msgs` and
+    `duplicate_window` (seconds); when it exists, any of those given must
     match it, since kvstream never changes an existing stream.
     """
 
@@ -360,7 +360,7 @@ class NatsSink(Sink):
         await self._delivered(batch, subject, ack.seq)
 
     async def _stored(self, subject: str, batch: EventBatch) -> int | None:
-        """The stream sequence of the subject's last message when it is ``batch`` or a
+        """The stream sequence of the subject's last message when it is `batch` or a
         later one of its producer, else None."""
         nats = nats_client.require_nats()
         client = self._client
@@ -388,9 +388,9 @@ class NatsSink(Sink):
             await self.publish_snapshot(batch.origin, subject)
 
     async def publish_snapshot(self, origin: str, subject: str | None = None) -> bool:
-        """Publish ``origin``'s snapshot now; False when there is none to publish or it failed.
+        """Publish `origin`'s snapshot now; False when there is none to publish or it failed.
 
-        A failure is logged and counted (``snapshots.failed``) and does not fail
+        A failure is logged and counted (`snapshots.failed`) and does not fail
         the batch that made it due; the next snapshot is tried when it is due again.
         """
         nats = nats_client.require_nats()
@@ -497,7 +497,7 @@ class NatsSink(Sink):
 
 
 def sink_from_url(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink:
-    """``nats://[USER:PASSWORD@]HOST:PORT[/SUBJECT]?stream=...&create=true`` -> NatsSink."""
+    """`nats://[USER:PASSWORD@]HOST:PORT[/SUBJECT]?stream=...&create=true` -> NatsSink."""
     storage = opts.pop_str("storage")
     if storage is not None and storage not in ("file", "memory"):
         raise ConfigError(f"{parsed.raw}: option storage: expected file or memory, got {storage!r}")

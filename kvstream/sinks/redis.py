@@ -1,28 +1,28 @@
 """RedisSink: one Redis Streams entry per batch, never written twice.
 
-``redis://HOST:PORT/STREAM?maxlen=N`` (redis-py asyncio, extra ``redis``).
-Each batch is one ``XADD`` with the fields ``payload``, ``origin``, ``epoch``,
-``seq`` and ``codec`` (see :mod:`kvstream.wire.broker`), trimmed with
-``MAXLEN ~ N`` when ``maxlen`` is given. Several queued batches go out in one
-``MULTI``/``EXEC`` round trip (up to :attr:`RedisSink.max_coalesce`): all of
+`redis://HOST:PORT/STREAM?maxlen=N` (redis-py asyncio, extra `redis`).
+Each batch is one `XADD` with the fields `payload`, `origin`, `epoch`,
+`seq` and `codec` (see `kvstream.wire.broker`), trimmed with
+`MAXLEN ~ N` when `maxlen` is given. Several queued batches go out in one
+`MULTI`/`EXEC` round trip (up to `RedisSink.max_coalesce`): all of
 them are added or none.
 
-``XADD`` is not idempotent, and a connection that breaks after the server
+`XADD` is not idempotent, and a connection that breaks after the server
 applied a command but before the reply arrived leaves the outcome unknown. So
 after any failure the next attempt first reads the entries added since the
 last one this sink knows it wrote, and skips every batch it finds there by its
-``(origin, epoch, seq)``: a retry never duplicates and never loses a batch.
+`(origin, epoch, seq)`: a retry never duplicates and never loses a batch.
 
-Snapshots (opt-in: ``snapshot_every=N`` batches and/or ``snapshot_interval=T``
+Snapshots (opt-in: `snapshot_every=N` batches and/or `snapshot_interval=T`
 seconds): the sink keeps the state of the batches it wrote
-(:class:`~kvstream.wire.broker.SinkSnapshots`) and, when one is due, writes the
-origin's snapshot with one ``SET`` to the key ``<stream>:snapshot:<origin>``
+(`SinkSnapshots`) and, when one is due, writes the
+origin's snapshot with one `SET` to the key `<stream>:snapshot:<origin>`
 (the latest replaces the one before at once) and adds the origin to the set
-``<stream>:snapshots``. A key rather than a capped stream: a key keeps exactly
+`<stream>:snapshots`. A key rather than a capped stream: a key keeps exactly
 one value per origin and is replaced atomically however large the snapshot,
 where a stream capped to one entry per origin would need one stream per origin.
-Heartbeats (opt-in: ``heartbeat=T`` seconds): every origin that wrote nothing
-for ``T`` seconds sets its field of the hash ``<stream>:heartbeats`` to its
+Heartbeats (opt-in: `heartbeat=T` seconds): every origin that wrote nothing
+for `T` seconds sets its field of the hash `<stream>:heartbeats` to its
 epoch, last seq and a counter (readers poll it).
 """
 
@@ -83,16 +83,16 @@ def _as_id(value: object) -> bytes:
 
 
 def _next_id(entry_id: bytes) -> bytes:
-    """The smallest stream id after ``entry_id`` (``ms-seq`` -> ``ms-(seq+1)``)."""
+    """The smallest stream id after `entry_id` (`ms-seq` -> `ms-(seq+1)`)."""
     ms, _, seq = entry_id.partition(b"-")
     return ms + b"-" + str(int(seq or b"0") + 1).encode()
 
 
 class RedisSink(Sink):
-    """Append every batch to the Redis stream ``stream`` with ``XADD``.
+    """Append every batch to the Redis stream `stream` with `XADD`.
 
-    ``maxlen`` trims the stream to about that many entries (``MAXLEN ~``).
-    ``dedup_scan`` bounds how many entries a retry reads to find batches
+    `maxlen` trims the stream to about that many entries (`MAXLEN ~`).
+    `dedup_scan` bounds how many entries a retry reads to find batches
     already written (entries other producers added meanwhile count too).
     """
 
@@ -220,7 +220,7 @@ class RedisSink(Sink):
             await self._delivered(batch, _as_id(entry_id).decode())
 
     async def _written(self, wanted: set[BatchKey]) -> dict[BatchKey, bytes]:
-        """Which of ``wanted`` the stream holds after the last entry known written
+        """Which of `wanted` the stream holds after the last entry known written
         (with the id of the entry that holds each)."""
         client = self._client
         assert client is not None
@@ -260,9 +260,9 @@ class RedisSink(Sink):
             await self.publish_snapshot(batch.origin)
 
     async def publish_snapshot(self, origin: str) -> bool:
-        """Write ``origin``'s snapshot now; False when there is none to write or it failed.
+        """Write `origin`'s snapshot now; False when there is none to write or it failed.
 
-        A failure is logged and counted (``snapshots.failed``) and does not fail
+        A failure is logged and counted (`snapshots.failed`) and does not fail
         the batch that made it due; the next snapshot is tried when it is due again.
         """
         redis = redis_client.require_redis()
@@ -351,7 +351,7 @@ class RedisSink(Sink):
 
 
 def sink_from_url(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink:
-    """``redis://[[USER]:PASSWORD@]HOST:PORT[/STREAM]?maxlen=N&db=0`` -> RedisSink."""
+    """`redis://[[USER]:PASSWORD@]HOST:PORT[/STREAM]?maxlen=N&db=0` -> RedisSink."""
     return RedisSink(
         client_url(parsed.raw, parsed.scheme, 6379),
         stream=parsed.path or DEFAULT_REDIS_STREAM,

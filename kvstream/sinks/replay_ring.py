@@ -1,14 +1,14 @@
 """The replay ring: what a sink has sent, oldest first, bounded in bytes.
 
 A sink that lets readers catch up (the socket sink's subscribers, the ZMQ
-sink's replay clients) keeps what it sent in a :class:`ReplayRing`. Every item
+sink's replay clients) keeps what it sent in a `ReplayRing`. Every item
 has a **position** that counts the items ever appended, so a reader's cursor
 stays valid while the ring moves and tells at once whether what it wants is
 still held; every item also has an **offset** that counts the bytes appended
 before it, so how far a reader is behind, in bytes, is a subtraction.
 
-The ring holds at most ``max_bytes`` (each item costs what its owner says,
-its bytes plus bookkeeping) and, optionally, ``max_items`` items; the oldest
+The ring holds at most `max_bytes` (each item costs what its owner says,
+its bytes plus bookkeeping) and, optionally, `max_items` items; the oldest
 go first. The newest item always stays, even when it alone is over the bound,
 so a reader connected at the time can still take it.
 """
@@ -24,7 +24,7 @@ T = TypeVar("T")
 
 
 class Fifo(Generic[T]):
-    """A list with O(1) ``append``, ``popleft`` and random access by index."""
+    """A list with O(1) `append`, `popleft` and random access by index."""
 
     __slots__ = ("_head", "_items")
 
@@ -84,7 +84,7 @@ class ReplayRing(Generic[T]):
 
     @property
     def first_pos(self) -> int:
-        """Position of the oldest item held (``end_pos`` when empty)."""
+        """Position of the oldest item held (`end_pos` when empty)."""
         return self._base + self._head
 
     @property
@@ -93,20 +93,20 @@ class ReplayRing(Generic[T]):
         return self._base + len(self._items)
 
     def get(self, pos: int) -> T:
-        """The item at position ``pos`` (``first_pos <= pos < end_pos``)."""
+        """The item at position `pos` (`first_pos <= pos < end_pos`)."""
         item = self._items[pos - self._base]
         assert item is not None, "evicted"
         return item
 
     def offset(self, pos: int) -> int:
-        """Bytes appended before position ``pos`` (held, or the end; older: the oldest's)."""
+        """Bytes appended before position `pos` (held, or the end; older: the oldest's)."""
         i = pos - self._base
         if i >= len(self._items):
             return self.end_offset
         return self._offsets[max(i, self._head)]
 
     def append(self, item: T, cost: int) -> list[tuple[int, T]]:
-        """Add ``item`` costing ``cost`` bytes; return ``(position, item)`` of those evicted.
+        """Add `item` costing `cost` bytes; return `(position, item)` of those evicted.
 
         The item just added is never evicted by its own append.
         """

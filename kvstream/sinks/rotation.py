@@ -1,9 +1,9 @@
-"""File rotation for :class:`~kvstream.sinks.file.FileSink`: by size or age, with retention.
+"""File rotation for [`FileSink`][kvstream.sinks.file.FileSink]: by size or age, with retention.
 
-The sink always writes to its own path (``events.jsonl``). When the next write
-would take the file past ``rotate_bytes``, or the file has been written for
-``rotate_seconds``, the file is renamed to the next numbered name and a new
-one is started::
+The sink always writes to its own path (`events.jsonl`). When the next write
+would take the file past `rotate_bytes`, or the file has been written for
+`rotate_seconds`, the file is renamed to the next numbered name and a new
+one is started:
 
     events.jsonl            the file being written
     events.000001.jsonl     the oldest kept
@@ -12,11 +12,11 @@ one is started::
 
 Numbers only grow (a restarted sink continues after the highest number it
 finds), so sorting the rotated files by their number is their order in time,
-and a reader following ``events.jsonl`` sees the file replaced, as after
-logrotate. With ``keep=N`` only the newest ``N`` rotated files are kept.
+and a reader following `events.jsonl` sees the file replaced, as after
+logrotate. With `keep=N` only the newest `N` rotated files are kept.
 
 Rotation happens between writes, never inside one, so a line is never split
-across files. A file exceeds ``rotate_bytes`` only when one write alone is
+across files. A file exceeds `rotate_bytes` only when one write alone is
 larger (up to the sink's coalesced batches). Nothing rotates while nothing is
 written: idle periods leave no empty files.
 
@@ -72,20 +72,20 @@ class RotationPolicy:
 
 
 def _split(path: str) -> tuple[str, str]:
-    """``/d/events.jsonl`` -> (``/d/events``, ``.jsonl``); a dot-file has no suffix."""
+    """`/d/events.jsonl` -> (`/d/events`, `.jsonl`); a dot-file has no suffix."""
     folder, base = os.path.split(path)
     stem, suffix = os.path.splitext(base)
     return os.path.join(folder, stem), suffix
 
 
 def rotated_name(path: str, number: int) -> str:
-    """The name of rotated file ``number``: ``events.jsonl``, 3 -> ``events.000003.jsonl``."""
+    """The name of rotated file `number`: `events.jsonl`, 3 -> `events.000003.jsonl`."""
     stem, suffix = _split(path)
     return f"{stem}.{number:0{_WIDTH}d}{suffix}"
 
 
 def rotated_files(path: str) -> list[tuple[int, str]]:
-    """The rotated files of ``path`` that exist, as ``(number, name)``, oldest first."""
+    """The rotated files of `path` that exist, as `(number, name)`, oldest first."""
     stem, suffix = _split(path)
     folder = os.path.dirname(path) or "."
     pattern = re.compile(
@@ -118,12 +118,12 @@ class Rotator:
         self.rotations = 0
 
     def opened(self, size: int) -> None:
-        """The current file was (re)opened holding ``size`` bytes."""
+        """The current file was (re)opened holding `size` bytes."""
         # An existing file's age is unknown: it is counted from now.
         self.started = self.clock() if size > 0 else None
 
     def due(self, size: int, incoming: int) -> bool:
-        """True when the file (``size`` bytes) must rotate before ``incoming`` more."""
+        """True when the file (`size` bytes) must rotate before `incoming` more."""
         if size <= 0:
             return False
         policy = self.policy
@@ -143,7 +143,7 @@ class Rotator:
     def rotate(self) -> str:
         """Rename the current file to the next number; prune. Returns the new name.
 
-        The caller closes the file first and opens ``path`` afresh after.
+        The caller closes the file first and opens `path` afresh after.
         """
         target = rotated_name(self.path, self.next_number)
         os.replace(self.path, target)
@@ -154,7 +154,7 @@ class Rotator:
         return target
 
     def prune(self) -> None:
-        """Delete the oldest rotated files beyond ``keep``."""
+        """Delete the oldest rotated files beyond `keep`."""
         keep = self.policy.keep
         if keep is None:
             return

@@ -1,50 +1,50 @@
 """SocketSink: serve batches to any number of subscribers over TCP or a Unix socket.
 
 The sink listens for as long as it lives. Every batch it is given is encoded
-once (by the sink's codec), framed once (:mod:`kvstream.wire.socket_protocol`)
+once (by the sink's codec), framed once (`kvstream.wire.socket_protocol`)
 and appended to a **replay ring** bounded in bytes. Subscribers read the ring:
 
 * each subscriber has a cursor into the ring and a writer task of its own;
   what lies between its cursor and the ring's head is its **outbox**, bounded
-  by ``subscriber_bytes`` (the bytes that arrived since it connected and are not
+  by `subscriber_bytes` (the bytes that arrived since it connected and are not
   yet written to its socket). A frame is never copied per subscriber until its
   socket is ready to take it;
-* :meth:`SocketSink.send` (and ``send_nowait``, from the tick) appends to the
+* `SocketSink.send()` (and `send_nowait`, from the tick) appends to the
   ring and wakes idle writers. It never awaits a subscriber, so a slow
   subscriber never slows the others, the sink's outbox or the scheduler's tick;
-* a subscriber that falls behind is handled by ``slow``: ``disconnect`` (the
+* a subscriber that falls behind is handled by `slow`: `disconnect` (the
   default) closes its connection while its position is still in the ring, so
-  it reconnects and resumes where it was; ``drop`` skips the oldest batches it
+  it reconnects and resumes where it was; `drop` skips the oldest batches it
   has not been sent and tells it with a gap notice. Both are counted;
 * a subscriber that asks for a seq older than the ring gets a gap notice, or,
-  where the producer offers a snapshot (:attr:`SocketSink.snapshot_provider`),
+  where the producer offers a snapshot (`SocketSink.snapshot_provider`),
   the producer's current state instead (see *Snapshots*).
 
 Snapshots: the snapshot must describe exactly the batches before the seq it
 claims to precede. The sink therefore never calls the provider at an arbitrary
 moment: it asks its scheduler to call back at the next **tick barrier**
-(``Scheduler.call_at_barrier``), right after a tick has sealed its batches and
+(`Scheduler.call_at_barrier`), right after a tick has sealed its batches and
 before any further event is accepted. At that moment the host has reported
-every change it made as events in batches ``< next_seq``, so the provider's
+every change it made as events in batches `< next_seq`, so the provider's
 state is the state those batches describe, and the snapshot is sent as
-preceding ``next_seq``; the subscriber then gets the origin's batches from
-``next_seq`` on. A provider must therefore return its state as of its last
-``tick()`` (the simulated engine does, when driven ``astep()`` then
-``tick()``). Without a scheduler, or when no tick comes within
-``snapshot_timeout``, the subscriber gets a gap notice instead.
+preceding `next_seq`; the subscriber then gets the origin's batches from
+`next_seq` on. A provider must therefore return its state as of its last
+`tick()` (the simulated engine does, when driven `astep()` then
+`tick()`). Without a scheduler, or when no tick comes within
+`snapshot_timeout`, the subscriber gets a gap notice instead.
 
-Secure by default: TCP binds ``127.0.0.1`` unless told otherwise, refuses a
+Secure by default: TCP binds `127.0.0.1` unless told otherwise, refuses a
 non-loopback address without a token, compares tokens in constant time and
 never logs them; TLS is optional; a Unix socket is created with mode 0600 (set
-before ``bind``, so it is never reachable with looser permissions). A bad hello
+before `bind`, so it is never reachable with looser permissions). A bad hello
 gets one error line and a close; nothing a peer sends can crash the sink.
 
 This module is the network side (listening, hellos, one writer per
 subscriber). The rest lives beside it: the ring in
-:mod:`kvstream.sinks.replay_ring`, publishing, slow subscribers, replay plans
-and snapshots in :mod:`kvstream.sinks.socket_fanout`, each subscriber's record
-in :mod:`kvstream.sinks.socket_subscription`, and the Unix socket and hello
-helpers in :mod:`kvstream.sinks.socket_listen`.
+`kvstream.sinks.replay_ring`, publishing, slow subscribers, replay plans
+and snapshots in `kvstream.sinks.socket_fanout`, each subscriber's record
+in `kvstream.sinks.socket_subscription`, and the Unix socket and hello
+helpers in `kvstream.sinks.socket_listen`.
 """
 
 from __future__ import annotations
@@ -129,9 +129,9 @@ class SocketSinkStatistics(NamedTuple):
     connections_accepted: int
     #: Connections closed without a welcome: bad hello, wrong token, busy, timeout.
     connections_refused: int
-    #: Subscribers disconnected for falling behind (``slow=disconnect``).
+    #: Subscribers disconnected for falling behind (`slow=disconnect`).
     slow_disconnects: int
-    #: Batches skipped for slow subscribers (``slow=drop``), summed over subscribers.
+    #: Batches skipped for slow subscribers (`slow=drop`), summed over subscribers.
     subscriber_batches_dropped: int
     gap_notices: int
     snapshots_sent: int
@@ -141,17 +141,16 @@ class SocketSinkStatistics(NamedTuple):
 
 
 class SocketSink(Sink):
-    """Serves batches over TCP (``host``, ``port``) or a Unix socket (``path``).
+    """Serves batches over TCP (`host`, `port`) or a Unix socket (`path`).
 
-    ::
 
         async with Scheduler(sinks=[SocketSink(port=5600)]) as s:
             ...   # subscribers connect to tcp://127.0.0.1:5600
 
-    ``token`` (a shared secret the subscriber's hello must carry) is required to
-    listen anywhere but loopback. ``ssl_context`` turns TLS on. See the module
-    doc for ``ring_bytes``, ``subscriber_bytes``, ``slow`` and snapshots; the
-    other options (``codec``, ``policy``, ...) are :class:`Sink`'s.
+    `token` (a shared secret the subscriber's hello must carry) is required to
+    listen anywhere but loopback. `ssl_context` turns TLS on. See the module
+    doc for `ring_bytes`, `subscriber_bytes`, `slow` and snapshots; the
+    other options (`codec`, `policy`, ...) are [`Sink`][kvstream.sinks.base.Sink]'s.
     """
 
     max_coalesce = 256
@@ -263,12 +262,12 @@ class SocketSink(Sink):
 
     @property
     def subscriber_bytes(self) -> int:
-        """How far (in bytes) a subscriber may fall behind before ``slow`` applies."""
+        """How far (in bytes) a subscriber may fall behind before `slow` applies."""
         return self._fanout.subscriber_bytes
 
     @property
     def slow(self) -> SlowPolicy:
-        """What happens to a subscriber that falls behind: ``disconnect`` or ``drop``."""
+        """What happens to a subscriber that falls behind: `disconnect` or `drop`."""
         return self._fanout.slow
 
     @property
@@ -350,7 +349,7 @@ class SocketSink(Sink):
 
     async def aclose(self) -> None:
         """Deliver what is queued into the ring, let subscribers take it (within
-        ``close_timeout``), tell them the sink is closing, and stop listening."""
+        `close_timeout`), tell them the sink is closing, and stop listening."""
         if self._stopped:
             return
         self._stopped = True
@@ -586,7 +585,7 @@ class SocketSink(Sink):
 
 
 def sink_from_url(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> SocketSink:
-    """``tcp://HOST:PORT`` / ``unix:PATH`` -> a :class:`SocketSink` (used by kvstream.config)."""
+    """`tcp://HOST:PORT` / `unix:PATH` -> a `SocketSink` (used by kvstream.config)."""
     where = parsed.raw.partition("?")[0]
     token = token_from_options(opts, where)
     cert = opts.pop_str("tls_cert")

@@ -1,18 +1,18 @@
 """The socket sink's fan-out: one replay ring, read by every subscriber at its own pace.
 
-:class:`Fanout` is what :class:`~kvstream.sinks.socket.SocketSink` does with
+`Fanout` is what [`SocketSink`][kvstream.sinks.socket.SocketSink] does with
 batches, without the sockets (see that module's doc for the guarantees):
 
-* :meth:`Fanout.publish` frames a batch once and appends it to the ring; it
+* `Fanout.publish()` frames a batch once and appends it to the ring; it
   never waits. A subscriber the ring outran, or whose lag passed
-  ``subscriber_bytes``, is handled by the ``slow`` policy: ``disconnect``
-  cancels its connection, ``drop`` skips batches and queues a gap notice;
-* :meth:`Fanout.join` plans a new subscriber's replay from its hello and
+  `subscriber_bytes`, is handled by the `slow` policy: `disconnect`
+  cancels its connection, `drop` skips batches and queues a gap notice;
+* `Fanout.join()` plans a new subscriber's replay from its hello and
   registers it in one step, so no batch falls between the two; where the
   ring no longer holds what it asks for it gets a gap notice or, with a
   snapshot provider and a scheduler, waits for a snapshot;
-* :meth:`Fanout.at_barrier` takes that snapshot inside the scheduler's tick;
-* :meth:`Fanout.gather` hands a subscriber's writer its next frames.
+* `Fanout.at_barrier()` takes that snapshot inside the scheduler's tick;
+* `Fanout.gather()` hands a subscriber's writer its next frames.
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ log = logging.getLogger("kvstream.sinks.socket")
 SlowPolicy = Literal["disconnect", "drop"]
 SLOW_POLICIES: Final[tuple[str, ...]] = get_args(SlowPolicy)
 #: A zero-argument callable returning the events that rebuild the producer's
-#: current state: ``AllBlocksCleared`` then ``BlockStored`` events, parents first.
+#: current state: `AllBlocksCleared` then `BlockStored` events, parents first.
 SnapshotProvider = Callable[[], Iterable[KVCacheEvent]]
-#: ``call_at_barrier(callback)``: the scheduler calls ``callback(origin, epoch,
+#: `call_at_barrier(callback)`: the scheduler calls ``callback(origin, epoch,
 #: next_seq)`` once, inside its next tick, right after sealing.
 BarrierRequest = Callable[[Callable[[str, str, int], None]], None]
 
@@ -83,7 +83,7 @@ class OriginState:
 class Fanout:
     """The replay ring, the origins it holds, and the subscribers reading it.
 
-    ``name`` is the sink's, for log records. See the module doc.
+    `name` is the sink's, for log records. See the module doc.
     """
 
     def __init__(
@@ -160,7 +160,7 @@ class Fanout:
             self.subscriptions = [s for s in self.subscriptions if not s.gone]
 
     def _fell_behind(self, sub: Subscription, evicted: list[tuple[int, RingEntry]]) -> None:
-        """Entries ``sub`` had not taken were evicted (a replay the ring outran, or a
+        """Entries `sub` had not taken were evicted (a replay the ring outran, or a
         batch bigger than the ring's room). Only those it would have been sent count."""
         lost = [
             entry
@@ -303,7 +303,7 @@ class Fanout:
         return sub
 
     def leave(self, sub: Subscription) -> None:
-        """``sub``'s connection ended: stop serving it."""
+        """`sub`'s connection ended: stop serving it."""
         sub.gone = True
         if sub in self.subscriptions:
             self.subscriptions.remove(sub)
@@ -314,7 +314,7 @@ class Fanout:
             sub.wake()
 
     def gather(self, sub: Subscription) -> tuple[bytearray, int]:
-        """Frames for ``sub`` from its cursor, up to :data:`_CHUNK_BYTES`; advances it."""
+        """Frames for `sub` from its cursor, up to `_CHUNK_BYTES`; advances it."""
         ring = self.ring
         pos = max(sub.cursor, ring.first_pos)
         end = ring.end_pos
@@ -332,7 +332,7 @@ class Fanout:
         return out, n
 
     def lag_bytes(self, sub: Subscription) -> int:
-        """Bytes that arrived since ``sub`` connected and are not yet written to it."""
+        """Bytes that arrived since `sub` connected and are not yet written to it."""
         ring = self.ring
         start = max(sub.cursor, sub.replay_end, ring.first_pos)
         return ring.end_offset - ring.offset(start)
@@ -371,7 +371,7 @@ class Fanout:
             sub.wake()
 
     def no_snapshot(self, sub: Subscription, why: str, origin: str | None = None) -> None:
-        """``sub`` gets a gap notice instead of the snapshot of ``origin`` (None: of all)."""
+        """`sub` gets a gap notice instead of the snapshot of `origin` (None: of all)."""
         for name in [origin] if origin is not None else list(sub.awaiting):
             wait = sub.awaiting.pop(name)
             log.info(
@@ -385,7 +385,7 @@ class Fanout:
 
 
 def _position_of(ring: ReplayRing[RingEntry], state: OriginState, seq: int, head: int) -> int:
-    """Ring position of the origin's first held batch with a seq >= ``seq`` (or ``head``)."""
+    """Ring position of the origin's first held batch with a seq >= `seq` (or `head`)."""
     positions = state.positions
     lo, hi = 0, len(positions)
     if hi == 0:

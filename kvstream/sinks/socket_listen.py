@@ -1,10 +1,10 @@
 """The socket sink's listening side: Unix sockets made safely, peers named, hellos read.
 
-* :func:`bind_unix` creates a listening Unix socket with mode 0600 set before
-  ``bind``, so the path is never reachable with looser permissions; a stale
+* `bind_unix()` creates a listening Unix socket with mode 0600 set before
+  `bind`, so the path is never reachable with looser permissions; a stale
   socket file is replaced, a live one (or any other file) is an error.
-* :func:`read_hello` reads a subscriber's one hello line, bounded in bytes.
-* :func:`peer_name` and :func:`host_port` name addresses for log records.
+* `read_hello()` reads a subscriber's one hello line, bounded in bytes.
+* `peer_name()` and `host_port()` name addresses for log records.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ __all__ = ["bind_unix", "host_port", "peer_name", "read_hello"]
 
 
 def host_port(host: str, port: int) -> str:
-    """``host:port``, with an IPv6 host in brackets."""
+    """`host:port`, with an IPv6 host in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def peer_name(stream: anyio.abc.ByteStream) -> str:
-    """The remote address of ``stream`` for messages (``unix peer`` on a Unix socket)."""
+    """The remote address of `stream` for messages (`unix peer` on a Unix socket)."""
     addr = stream.extra(SocketAttribute.remote_address, None)
     if isinstance(addr, tuple) and len(addr) >= 2:
         return host_port(str(addr[0]), int(addr[1]))
@@ -52,7 +52,7 @@ async def read_hello(stream: anyio.abc.ByteStream) -> bytes:
 
 
 def bind_unix(path: str) -> socket.socket:
-    """A listening Unix socket at ``path``, mode 0600 from the start.
+    """A listening Unix socket at `path`, mode 0600 from the start.
 
     A stale socket file (nobody listening) is replaced; a live one, or any other
     kind of file, is an error.

@@ -1,11 +1,11 @@
-"""One subscriber of a :class:`~kvstream.sinks.socket.SocketSink`: what it is owed.
+"""One subscriber of a [`SocketSink`][kvstream.sinks.socket.SocketSink]: what it is owed.
 
-A :class:`Subscription` is the sink's record of one connected subscriber: its
+A `Subscription` is the sink's record of one connected subscriber: its
 cursor into the replay ring, which of the ring's batches it wants (its replay
 plan and, after a snapshot, the seqs the snapshot replaced), and what it must
 be sent before its next batch: control lines (the welcome, gap notices) and
 snapshots. The sink's writer for that subscriber sends them; the fan-out
-(:mod:`kvstream.sinks.socket_fanout`) fills them in.
+(`kvstream.sinks.socket_fanout`) fills them in.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Snapshot:
         self._encoded: dict[int, bytes] = {}
 
     def encoded(self, codec: Codec, first_missing: int) -> bytes:
-        """The snapshot's messages for a subscriber that misses ``first_missing`` on."""
+        """The snapshot's messages for a subscriber that misses `first_missing` on."""
         data = self._encoded.get(first_missing)
         if data is None:
             data = self._encoded[first_missing] = b"".join(
@@ -122,7 +122,7 @@ class Subscription:
         self.batches_dropped = 0
 
     def wants(self, pos: int, entry: RingEntry) -> bool:
-        """Whether the ring's batch ``entry`` at ``pos`` is to be sent to this subscriber."""
+        """Whether the ring's batch `entry` at `pos` is to be sent to this subscriber."""
         origin = entry[0]
         if pos < self.replay_end:
             start = self.starts.get(origin)

@@ -1,45 +1,45 @@
 """ZmqSink: vLLM's KV-event publisher, on the event loop, with replay.
 
-``zmq+tcp://HOST:PORT?replay=tcp://HOST:PORT2&topic=...`` or
-``zmq+ipc:///run/kv.sock`` (pyzmq, extra ``zmq``). A consumer written for
+`zmq+tcp://HOST:PORT?replay=tcp://HOST:PORT2&topic=...` or
+`zmq+ipc:///run/kv.sock` (pyzmq, extra `zmq`). A consumer written for
 vLLM's publisher (llm-d's KV cache manager, Dynamo's ZMQ listener) cannot tell
 this sink from it: the frames, the sequence numbers, the msgpack payload
-(:class:`~kvstream.codecs.msgpack.MsgpackCodec`) and the replay protocol are
-vLLM's (see :mod:`kvstream.wire.vllm_zmq`). What differs is what vLLM leaves to
+([`MsgpackCodec`][kvstream.codecs.msgpack.MsgpackCodec]) and the replay protocol are
+vLLM's (see `kvstream.wire.vllm_zmq`). What differs is what vLLM leaves to
 chance:
 
-* **No silent drops.** vLLM's PUB drops at its high-water mark while ``send``
-  succeeds. This sink publishes on an XPUB with ``XPUB_NODROP``: a full
-  subscriber pipe answers EAGAIN, and the sink's policy decides: ``block``
-  waits (paced) until the pipe has room, ``drop_*`` drops the batch and counts
+* **No silent drops.** vLLM's PUB drops at its high-water mark while `send`
+  succeeds. This sink publishes on an XPUB with `XPUB_NODROP`: a full
+  subscriber pipe answers EAGAIN, and the sink's policy decides: `block`
+  waits (paced) until the pipe has room, `drop_*` drops the batch and counts
   it. Either way the batch enters the replay ring, so a consumer that sees the
   gap can repair it.
 * **Sequence numbers are the scheduler's** for each origin (sinks never
   renumber). With several origins (a relay) each origin is its own stream with
-  its own topic: ``topic`` may contain ``{origin}``, or give ``model`` for
-  llm-d's ``kv@<origin>@<model>``. A fixed topic serves one origin; batches of
+  its own topic: `topic` may contain `{origin}`, or give `model` for
+  llm-d's `kv@<origin>@<model>`. A fixed topic serves one origin; batches of
   a second origin are refused (counted, logged), since two sequences on one
   topic would look like restarts to every consumer.
 * **Replay that loses nothing.** The ROUTER (always bound, on its own endpoint)
-  is ``ROUTER_MANDATORY`` and paced: a reply that meets a full pipe waits and
+  is `ROUTER_MANDATORY` and paced: a reply that meets a full pipe waits and
   resumes instead of being dropped at the ROUTER's high-water mark, every
   reply ends with its end marker, replies run beside live publishing without
-  stalling it, and a reply stuck longer than ``replay_timeout`` (or whose
+  stalling it, and a reply stuck longer than `replay_timeout` (or whose
   client went away) is abandoned and counted. The ring is bounded in bytes
-  (``replay_max_bytes``) and in batches (``buffer_steps``) and stores the exact
+  (`replay_max_bytes`) and in batches (`buffer_steps`) and stores the exact
   bytes published. A malformed request is ignored and counted.
-* **Strict consumers.** With a strict codec (``strict=refuse|convert``) the
+* **Strict consumers.** With a strict codec (`strict=refuse|convert`) the
   events strict consumers would reject are left out of the batch where they
   enter this sink, each counted and logged with its reason; the batch itself
-  (and its ``seq``) is always sent.
+  (and its `seq`) is always sent.
 
-Bind or connect follows vLLM's rule (bind for ``*``, ``::``, ipc and inproc;
-otherwise connect, so a central consumer can bind); ``bind=`` overrides it.
+Bind or connect follows vLLM's rule (bind for `*`, `::`, ipc and inproc;
+otherwise connect, so a central consumer can bind); `bind=` overrides it.
 Everything runs on the event loop; there is no publisher thread. Publishing
-uses plain (synchronous) sockets with ``NOBLOCK``: a send either goes at once
+uses plain (synchronous) sockets with `NOBLOCK`: a send either goes at once
 or answers EAGAIN, so it never blocks the loop, and it costs a third of a
-:mod:`zmq.asyncio` send. When nothing is queued ahead, the scheduler's tick
-publishes the batch itself (:meth:`ZmqSink.send_nowait`); the writer task only
+`zmq.asyncio` send. When nothing is queued ahead, the scheduler's tick
+publishes the batch itself (`ZmqSink.send_nowait()`); the writer task only
 runs when a pipe is full or the sink is retrying. Subscriptions and replay
 requests are read by tasks that wait for the socket's descriptor.
 """
@@ -109,7 +109,7 @@ _BACKOFF_MAX: Final = 0.05
 
 
 class ZmqSinkStatistics(NamedTuple):
-    """The ZMQ side of a :class:`ZmqSink` (the base counters are in ``statistics()``)."""
+    """The ZMQ side of a `ZmqSink` (the base counters are in `statistics()`)."""
 
     endpoint: str
     replay_endpoint: str | None
@@ -125,7 +125,7 @@ class ZmqSinkStatistics(NamedTuple):
     ring_bytes: int
     replay_requests: int
     replay_malformed: int
-    #: Valid requests refused because ``max_replay_clients`` replies were running.
+    #: Valid requests refused because `max_replay_clients` replies were running.
     replay_busy: int
     replays_completed: int
     #: Replies given up: the client went away or its pipe stayed full too long.
@@ -164,21 +164,21 @@ LOOPBACK_ENDPOINT: Final = "tcp://127.0.0.1:5557"
 class ZmqSink(Sink):
     """Publish batches on vLLM's ZMQ wire, with a replay ROUTER.
 
-    ``endpoint``: a ZMQ endpoint (``tcp://*:5557``, ``tcp://10.0.0.5:5557``,
-    ``ipc:///run/kv.sock``); ``bind`` overrides vLLM's bind-or-connect rule. With
-    no endpoint the sink binds ``tcp://127.0.0.1:5557`` (loopback only; ZMQ has no
+    `endpoint`: a ZMQ endpoint (`tcp://*:5557`, `tcp://10.0.0.5:5557`,
+    `ipc:///run/kv.sock`); `bind` overrides vLLM's bind-or-connect rule. With
+    no endpoint the sink binds `tcp://127.0.0.1:5557` (loopback only; ZMQ has no
     token vLLM's consumers could send, so exposing the stream is an explicit choice).
-    ``replay_endpoint``: where replay requests are served (always bound); None
-    disables replay (no ring is kept). ``topic``: the topic frame, ``{origin}``
-    replaced by the batch's origin; ``model``: llm-d's ``kv@<origin>@<model>``
-    instead. ``hwm``: per-subscriber high-water mark in messages (0: none).
-    ``buffer_steps`` / ``replay_max_bytes``: the ring's bounds. ``replay_hwm``:
+    `replay_endpoint`: where replay requests are served (always bound); None
+    disables replay (no ring is kept). `topic`: the topic frame, `{origin}`
+    replaced by the batch's origin; `model`: llm-d's `kv@<origin>@<model>`
+    instead. `hwm`: per-subscriber high-water mark in messages (0: none).
+    `buffer_steps` / `replay_max_bytes`: the ring's bounds. `replay_hwm`:
     the ROUTER's per-client high-water mark (replies are paced at it, never
-    dropped); ``replay_timeout``: how long a reply may stay stalled before it is
-    abandoned; ``replay_layout``: ``"topic"`` (vLLM v0.26+) or ``"legacy"`` (no
-    topic frame). ``linger``: seconds queued messages get to leave at close.
-    The codec defaults to :class:`MsgpackCodec` (map profile); ``policy``,
-    ``max_bytes`` and the other options are the base class's.
+    dropped); `replay_timeout`: how long a reply may stay stalled before it is
+    abandoned; `replay_layout`: `"topic"` (vLLM v0.26+) or `"legacy"` (no
+    topic frame). `linger`: seconds queued messages get to leave at close.
+    The codec defaults to `MsgpackCodec` (map profile); `policy`,
+    `max_bytes` and the other options are the base class's.
     """
 
     def __init__(
@@ -201,10 +201,10 @@ class ZmqSink(Sink):
         **options: Any,
     ) -> None:
         #: The ZMQ context the sockets are made in (not terminated by the sink). By
-        #: default, for ``inproc://`` endpoints (which reach only sockets of one
-        #: context), the process's shared ``zmq.Context.instance()``, as vLLM uses;
+        #: default, for `inproc://` endpoints (which reach only sockets of one
+        #: context), the process's shared `zmq.Context.instance()`, as vLLM uses;
         #: otherwise a context of the sink's own, terminated at close so that the
-        #: endpoint is free again when ``aclose`` returns.
+        #: endpoint is free again when `aclose` returns.
         self.context: zmq.Context[Any] | None = context
         if endpoint is None:
             # Secure by default: bound on loopback only. vLLM's own default
@@ -285,7 +285,7 @@ class ZmqSink(Sink):
 
     @property
     def per_origin_topics(self) -> bool:
-        """True when each origin gets its own topic (``{origin}`` in it, or ``model``)."""
+        """True when each origin gets its own topic (`{origin}` in it, or `model`)."""
         return self._per_origin
 
     @classmethod
@@ -296,11 +296,11 @@ class ZmqSink(Sink):
         data_parallel_rank: int | None = None,
         **options: Any,
     ) -> Self:
-        """A sink configured as vLLM's ``--kv-events-config`` would configure its publisher.
+        """A sink configured as vLLM's `--kv-events-config` would configure its publisher.
 
-        Endpoints are offset by ``data_parallel_rank`` as vLLM does. The policy
-        defaults to ``drop_newest`` (vLLM drops when its queue is full; here the
-        drops are counted). Raises :class:`ConfigError` when the config turns
+        Endpoints are offset by `data_parallel_rank` as vLLM does. The policy
+        defaults to `drop_newest` (vLLM drops when its queue is full; here the
+        drops are counted). Raises `ConfigError` when the config turns
         publishing off.
         """
         parsed = config if isinstance(config, KVEventsConfig) else parse_kv_events_config(config)
@@ -489,7 +489,7 @@ class ZmqSink(Sink):
             changed.set()
 
     async def wait_subscribed(self, count: int = 1) -> None:
-        """Return once at least ``count`` subscriptions are in place (tests, demos)."""
+        """Return once at least `count` subscriptions are in place (tests, demos)."""
         while self._subscriptions < count:
             await self._subscription_changed.wait()
 
@@ -635,7 +635,7 @@ class ZmqSink(Sink):
         )
 
 
-#: pyzmq's frame send without its Python wrapper (``send_multipart`` spends most of
+#: pyzmq's frame send without its Python wrapper (`send_multipart` spends most of
 #: its time in Python: flag arithmetic on enums, keyword handling, a loop).
 _SEND_FRAME: Final = zmq.backend.Socket.send
 _MORE_NOW: Final = int(zmq.SNDMORE | zmq.NOBLOCK)
@@ -645,11 +645,11 @@ _ZERO_COPY_MIN: Final = 65536
 
 
 def _send_now(sock: zmq.Socket[bytes], frames: list[bytes], *, copy: bool = True) -> None:
-    """Send one multipart message without blocking; ``zmq.Again`` when it cannot go now.
+    """Send one multipart message without blocking; `zmq.Again` when it cannot go now.
 
     A ZMQ message is atomic: when its first frame is refused (EAGAIN), nothing of
     it was queued; once the first frame is taken, the others are taken too.
-    ``copy=False`` lends large frames to ZMQ instead of copying them (pyzmq
+    `copy=False` lends large frames to ZMQ instead of copying them (pyzmq
     keeps them alive until ZMQ is done with them).
     """
     send = _SEND_FRAME
@@ -663,7 +663,7 @@ def _send_now(sock: zmq.Socket[bytes], frames: list[bytes], *, copy: bool = True
 
 
 def _attach(sock: zmq.Socket[bytes], endpoint: str, bind: bool, what: str) -> str:
-    """Bind or connect ``sock``; returns the endpoint actually bound (ports resolved)."""
+    """Bind or connect `sock`; returns the endpoint actually bound (ports resolved)."""
     try:
         if bind:
             sock.bind(endpoint)
@@ -680,7 +680,7 @@ def _attach(sock: zmq.Socket[bytes], endpoint: str, bind: bool, what: str) -> st
 
 
 def sink_from_url(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink:
-    """``zmq+tcp://HOST:PORT?replay=...`` / ``zmq+ipc://PATH?...`` -> :class:`ZmqSink`."""
+    """`zmq+tcp://HOST:PORT?replay=...` / `zmq+ipc://PATH?...` -> `ZmqSink`."""
     endpoint = endpoint_from_parts(parsed.scheme, parsed.address, parsed.path, parsed.raw)
     replay = opts.pop_str("replay")
     kwargs: dict[str, Any] = {

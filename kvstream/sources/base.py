@@ -4,9 +4,9 @@ Three kinds of input, as DESIGN.md names them:
 
 * an **async source**: any async iterable yielding events or chunks (lists or
   tuples) of events, such as a connector written as an async generator;
-* a **polled connector**: any object with a vLLM-style ``take_events()``
-  method, adapted by :func:`from_take_events` and polled once per tick;
-* the host's own ``Scheduler.emit(...)``, which needs no source at all.
+* a **polled connector**: any object with a vLLM-style `take_events()`
+  method, adapted by `from_take_events()` and polled once per tick;
+* the host's own `Scheduler.emit(...)`, which needs no source at all.
 
 An item is *accepted* the moment the source yields it: the driver appends it to
 the source's buffer inside the task that pulled it, so a tick only swaps
@@ -54,9 +54,9 @@ class TakeEventsConnector(Protocol):
 
 
 class PolledConnector:
-    """A ``take_events()`` connector adapted as a synchronous scheduler input.
+    """A `take_events()` connector adapted as a synchronous scheduler input.
 
-    Made by :func:`from_take_events`. The scheduler calls :meth:`poll` once per
+    Made by `from_take_events()`. The scheduler calls `poll()` once per
     tick, without awaiting and without a thread, so the connector's events of a
     step land in that step's batch.
     """
@@ -81,12 +81,12 @@ class PolledConnector:
 
 
 def from_take_events(connector: TakeEventsConnector, *, name: str | None = None) -> PolledConnector:
-    """Adapt a vLLM-style connector (``take_events()``) as a scheduler input."""
+    """Adapt a vLLM-style connector (`take_events()`) as a scheduler input."""
     return PolledConnector(connector, name)
 
 
 def check_events(items: object, where: str) -> list[KVCacheEvent]:
-    """Return ``items`` (one event or an iterable of events) as a list of events, or raise."""
+    """Return `items` (one event or an iterable of events) as a list of events, or raise."""
     # Fast path, in C: a list whose items are all exactly one of the three events.
     if type(items) is list and _EVENT_TYPES.issuperset(map(type, items)):
         return items
@@ -117,7 +117,7 @@ class SourceStatistics(NamedTuple):
 
 
 class SourceHandle:
-    """The scheduler's record of one input; returned by ``add_source``.
+    """The scheduler's record of one input; returned by `add_source`.
 
     Holds the input's buffer of accepted events, waiting for the next tick.
     """

@@ -1,9 +1,9 @@
 """The one module that uses aiostream (GPL-3.0-or-later; see the README's license section).
 
-aiostream's ``flatten`` over a channel of sources drives every async source
+aiostream's `flatten` over a channel of sources drives every async source
 concurrently, one task each, and lets sources be added while it runs. Each
 source's driver appends what the source yields to the source's own buffer in the
-task that pulled it (:meth:`SourceHandle.pump`), and yields to the merge only
+task that pulled it (`SourceHandle.pump()`), and yields to the merge only
 once, when the source has ended. So the merge's per-item cost, its ordering by
 position, its cancel-all-on-error and its loss of items it had pulled when left
 early cannot touch the events: they are already in the buffers when the merge
@@ -31,9 +31,9 @@ async def _drive(handle: SourceHandle) -> AsyncIterator[SourceHandle]:
 
 
 class SourceMerger:
-    """Runs async sources under aiostream's merge; ``add`` works while running.
+    """Runs async sources under aiostream's merge; `add` works while running.
 
-    Sources added before :meth:`run` wait in a queue (of handles: one per source,
+    Sources added before `run()` wait in a queue (of handles: one per source,
     not per event). It holds no resource, so a scheduler that is never started
     leaves nothing to close.
     """
@@ -48,7 +48,7 @@ class SourceMerger:
         self._wake()
 
     def close(self) -> None:
-        """No more sources: :meth:`run` returns once the running ones have ended."""
+        """No more sources: `run()` returns once the running ones have ended."""
         self._closed = True
         self._wake()
 
@@ -68,7 +68,7 @@ class SourceMerger:
             await wakeup.wait()
 
     async def run(self, on_done: Callable[[SourceHandle], None]) -> None:
-        """Drive every source until :meth:`close` and all sources have ended."""
+        """Drive every source until `close()` and all sources have ended."""
         merged: Any = stream.flatten(self._drivers(), task_limit=None)  # type: ignore[arg-type]
         async with merged.stream() as streamer:
             async for handle in streamer:

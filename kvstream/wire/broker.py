@@ -2,7 +2,7 @@
 
 One message (a NATS JetStream message or a Redis Streams entry) carries one
 batch: its payload is the batch encoded by the sink's codec, and the batch's
-name ``(origin, epoch, seq)`` and the codec's name ride beside it, as NATS
+name `(origin, epoch, seq)` and the codec's name ride beside it, as NATS
 headers or Redis fields, so a consumer can route, deduplicate and check
 continuity without decoding, and can decode payloads that do not carry the
 name themselves (vLLM's msgpack has no origin, epoch or seq):
@@ -10,49 +10,49 @@ name themselves (vLLM's msgpack has no origin, epoch or seq):
 =========  ===============  =============  ==========================================
 what       NATS header      Redis field    value
 =========  ===============  =============  ==========================================
-origin     ``Kv-Origin``    ``origin``     the batch's origin
-epoch      ``Kv-Epoch``     ``epoch``      the producer's epoch
-seq        ``Kv-Seq``       ``seq``        decimal sequence number
-codec      ``Kv-Codec``     ``codec``      ``json`` or ``msgpack``
-id         ``Nats-Msg-Id``  (entry id)     ``<origin>:<epoch>:<seq>`` (NATS only)
-payload    (message body)   ``payload``    the encoded batch
+origin     `Kv-Origin`    `origin`     the batch's origin
+epoch      `Kv-Epoch`     `epoch`      the producer's epoch
+seq        `Kv-Seq`       `seq`        decimal sequence number
+codec      `Kv-Codec`     `codec`      `json` or `msgpack`
+id         `Nats-Msg-Id`  (entry id)     `<origin>:<epoch>:<seq>` (NATS only)
+payload    (message body)   `payload`    the encoded batch
 =========  ===============  =============  ==========================================
 
 NATS header values are text on one line, so origin and epoch are
-percent-encoded there (``urllib.parse.quote``; letters, digits and ``-._~@/``
+percent-encoded there (`urllib.parse.quote`; letters, digits and `-._~@/`
 stay as they are, so usual names read unchanged). The same encoding is used
-inside the message id, where it also keeps ``:`` unambiguous. Redis fields are
+inside the message id, where it also keeps `:` unambiguous. Redis fields are
 binary-safe and carry the UTF-8 text as is.
 
-The default NATS subject of a batch is ``kv.events.<token>`` where ``<token>``
-is the origin with every character other than ASCII letters, digits, ``-``
-and ``_`` replaced by ``_`` (a NATS subject token may not contain ``.``,
-``*``, ``>`` or white space), so ``node-1.example:0`` publishes to
-``kv.events.node-1_example_0``. The mapping can merge two origins into one
+The default NATS subject of a batch is `kv.events.<token>` where `<token>`
+is the origin with every character other than ASCII letters, digits, `-`
+and `_` replaced by `_` (a NATS subject token may not contain `.`,
+`*`, `>` or white space), so `node-1.example:0` publishes to
+`kv.events.node-1_example_0`. The mapping can merge two origins into one
 subject; that is harmless because consumers read the origin from the header.
 
-Snapshots (see ``docs/recovery.md``) are stored beside the stream, the latest
-one per origin, as one *envelope*: the line ``KVSNAP1``, one JSON line of
-:class:`SnapshotInfo` (with the byte length of every part), then the parts,
-each the snapshot's ``AllBlocksCleared`` / ``BlockStored`` events of one slice
-encoded as the batch ``resume_seq - 1`` with the JSON codec. ``position`` is
-where the batch ``resume_seq - 1`` sits in the stream (a JetStream stream
+Snapshots (see `docs/recovery.md`) are stored beside the stream, the latest
+one per origin, as one *envelope*: the line `KVSNAP1`, one JSON line of
+`SnapshotInfo` (with the byte length of every part), then the parts,
+each the snapshot's `AllBlocksCleared` / `BlockStored` events of one slice
+encoded as the batch `resume_seq - 1` with the JSON codec. `position` is
+where the batch `resume_seq - 1` sits in the stream (a JetStream stream
 sequence, or a Redis entry id), so a reader continues right after it.
 
-* NATS: stream ``KV_SNAPSHOTS`` (subjects ``kv.snapshot.>``, rollup allowed).
-  An origin's envelope is cut into messages on ``kv.snapshot.<key>.part``, then
-  its head (the :class:`SnapshotInfo` with the stream sequences of the first
-  and last part) goes to ``kv.snapshot.<key>.head`` with ``Nats-Rollup: sub``,
+* NATS: stream `KV_SNAPSHOTS` (subjects `kv.snapshot.>`, rollup allowed).
+  An origin's envelope is cut into messages on `kv.snapshot.<key>.part`, then
+  its head (the `SnapshotInfo` with the stream sequences of the first
+  and last part) goes to `kv.snapshot.<key>.head` with `Nats-Rollup: sub`,
   so the subject keeps only the latest head; then the older parts are purged.
   A reader gets the head, then the parts by sequence. A publisher that dies
   mid-snapshot leaves parts without a head: the previous head stays valid.
-* Redis: the envelope is the string ``<stream>:snapshot:<origin>`` (one
-  ``SET``: the old value is replaced at once), and the set
-  ``<stream>:snapshots`` names the origins that have one.
+* Redis: the envelope is the string `<stream>:snapshot:<origin>` (one
+  `SET`: the old value is replaced at once), and the set
+  `<stream>:snapshots` names the origins that have one.
 
-Heartbeats (opt-in) are :class:`Heartbeat` records in JSON: on NATS core
-(never stored) on ``kv.heartbeat.<token>``, on Redis in the hash
-``<stream>:heartbeats`` (field: origin).
+Heartbeats (opt-in) are `Heartbeat` records in JSON: on NATS core
+(never stored) on `kv.heartbeat.<token>`, on Redis in the hash
+`<stream>:heartbeats` (field: origin).
 """
 
 from __future__ import annotations
@@ -132,10 +132,10 @@ __all__ = [
     "subject_token",
 ]
 
-#: ``(origin, epoch, seq)``: a batch's name for ever.
+#: `(origin, epoch, seq)`: a batch's name for ever.
 BatchKey = tuple[str, str, int]
 #: Where a reader starts: None (live batches only), a seq for every origin, or
-#: ``{origin: seq}`` with ``"*"`` for the others (as ``kvstream.subscribe``).
+#: `{origin: seq}` with `"*"` for the others (as `kvstream.subscribe`).
 FromSeq = int | Mapping[str, int] | None
 
 HEADER_ORIGIN: Final = "Kv-Origin"
@@ -170,16 +170,16 @@ _BAD_SUBJECT_CHARS: Final = re.compile(r"[\s\x00-\x1f]")
 
 
 def message_id(batch: EventBatch) -> str:
-    """``<origin>:<epoch>:<seq>`` (origin and epoch percent-encoded, see the module doc).
+    """`<origin>:<epoch>:<seq>` (origin and epoch percent-encoded, see the module doc).
 
     A retry of the same batch has the same id (the broker drops it); a restarted
-    producer has a new epoch, so its ``seq 0`` is never taken for a duplicate.
+    producer has a new epoch, so its `seq 0` is never taken for a duplicate.
     """
     return f"{quote(batch.origin, safe=_SAFE)}:{quote(batch.epoch, safe=_SAFE)}:{batch.seq}"
 
 
 def nats_headers(batch: EventBatch, codec_name: str) -> dict[str, str]:
-    """The NATS headers of a message carrying ``batch``."""
+    """The NATS headers of a message carrying `batch`."""
     return {
         HEADER_MSG_ID: message_id(batch),
         HEADER_ORIGIN: quote(batch.origin, safe=_SAFE),
@@ -190,7 +190,7 @@ def nats_headers(batch: EventBatch, codec_name: str) -> dict[str, str]:
 
 
 def nats_headers_size(headers: Mapping[str, str]) -> int:
-    """Bytes the headers take on the wire (``NATS/1.0`` block), for the max_payload check."""
+    """Bytes the headers take on the wire (`NATS/1.0` block), for the max_payload check."""
     size = len(b"NATS/1.0\r\n") + 2
     for key, value in headers.items():
         size += len(key.encode()) + 2 + len(value.encode()) + 2
@@ -198,7 +198,7 @@ def nats_headers_size(headers: Mapping[str, str]) -> int:
 
 
 def redis_fields(batch: EventBatch, data: bytes, codec_name: str) -> dict[Any, Any]:
-    """The fields of a Redis Streams entry carrying ``batch`` (payload first)."""
+    """The fields of a Redis Streams entry carrying `batch` (payload first)."""
     return {
         FIELD_PAYLOAD: data,
         FIELD_ORIGIN: batch.origin.encode(),
@@ -217,7 +217,7 @@ def _parse_seq(value: object, where: str) -> int:
 
 
 def key_from_headers(headers: Mapping[str, str] | None) -> BatchKey:
-    """Read ``(origin, epoch, seq)`` back from NATS headers; DecodeError if missing."""
+    """Read `(origin, epoch, seq)` back from NATS headers; DecodeError if missing."""
     if not headers:
         raise DecodeError(f"message has no headers; expected {HEADER_ORIGIN}, {HEADER_SEQ}, ...")
     origin = headers.get(HEADER_ORIGIN)
@@ -230,7 +230,7 @@ def key_from_headers(headers: Mapping[str, str] | None) -> BatchKey:
 
 
 def key_from_fields(fields: Mapping[Any, Any] | None) -> BatchKey:
-    """Read ``(origin, epoch, seq)`` back from a Redis entry's fields; DecodeError if missing."""
+    """Read `(origin, epoch, seq)` back from a Redis entry's fields; DecodeError if missing."""
     if not fields:
         raise DecodeError("entry: has no fields (deleted?)")
     origin = fields.get(FIELD_ORIGIN)
@@ -248,19 +248,19 @@ def key_from_fields(fields: Mapping[Any, Any] | None) -> BatchKey:
 
 
 def subject_token(origin: str) -> str:
-    """``origin`` as one NATS subject token (see the module doc for the mapping)."""
+    """`origin` as one NATS subject token (see the module doc for the mapping)."""
     return _NOT_TOKEN.sub("_", origin) or "_"
 
 
 def default_subject(origin: str) -> str:
-    """``kv.events.<token>``: where a batch of ``origin`` goes when the URL names no subject."""
+    """`kv.events.<token>`: where a batch of `origin` goes when the URL names no subject."""
     return SUBJECT_PREFIX + subject_token(origin)
 
 
 def check_subject(subject: str, *, wildcards: bool, where: str) -> str:
-    """Return ``subject`` if it is a valid NATS subject, else raise :class:`ConfigError`.
+    """Return `subject` if it is a valid NATS subject, else raise `ConfigError`.
 
-    ``wildcards`` allows ``*`` tokens and a final ``>`` (filters; not for publishing).
+    `wildcards` allows `*` tokens and a final `>` (filters; not for publishing).
     """
     tokens = subject.split(".")
     problem = None
@@ -285,10 +285,10 @@ def check_subject(subject: str, *, wildcards: bool, where: str) -> str:
 
 
 def subject_covers(pattern: str, subject: str) -> bool:
-    """True when every subject matching ``subject`` also matches ``pattern``.
+    """True when every subject matching `subject` also matches `pattern`.
 
-    Both may hold wildcards: ``kv.events.>`` covers ``kv.events.a`` and
-    ``kv.events.*``; ``kv.*.a`` does not cover ``kv.events.>``.
+    Both may hold wildcards: `kv.events.>` covers `kv.events.a` and
+    `kv.events.*`; `kv.*.a` does not cover `kv.events.>`.
     """
     want = pattern.split(".")
     have = subject.split(".")
@@ -323,13 +323,13 @@ _DECODERS: Final[dict[str, Callable[[], Codec]]] = {
 
 
 class PayloadDecoder:
-    """Turns a message's payload and its ``(origin, epoch, seq)`` back into a batch.
+    """Turns a message's payload and its `(origin, epoch, seq)` back into a batch.
 
     The codec is chosen per message by its codec header/field (so one consumer
-    reads a stream written with several codecs), falling back to ``default``
+    reads a stream written with several codecs), falling back to `default`
     when the message names none. A payload that carries its own name (JSON
     lines) must agree with the headers; one that does not (vLLM's msgpack) gets
-    the headers' name. Everything wrong is a :class:`DecodeError`.
+    the headers' name. Everything wrong is a [`DecodeError`][kvstream.errors.DecodeError].
     """
 
     def __init__(self, default: Codec | None = None) -> None:
@@ -337,7 +337,7 @@ class PayloadDecoder:
         self._codecs: dict[str, Codec] = {self.default.name: self.default}
 
     def codec(self, name: str | None) -> Codec:
-        """The decoder for codec ``name`` (None: the default)."""
+        """The decoder for codec `name` (None: the default)."""
         if name is None or name == "":
             return self.default
         codec = self._codecs.get(name)
@@ -368,7 +368,7 @@ class PayloadDecoder:
         return self.decode(payload, key, str(codec) if codec else None)
 
     def decode(self, data: bytes, key: BatchKey, codec_name: str | None) -> EventBatch:
-        """The batch in ``data``, named ``key``."""
+        """The batch in `data`, named `key`."""
         origin, epoch, seq = key
         codec = self.codec(codec_name)
         if codec.name == "msgpack":  # the payload has no name: the transport gives it
@@ -398,7 +398,7 @@ class PayloadDecoder:
 
 
 def client_url(raw: str, scheme: str, default_port: int) -> str:
-    """``scheme://[userinfo@]host:port`` of a sink/source URL: what a client connects to.
+    """`scheme://[userinfo@]host:port` of a sink/source URL: what a client connects to.
 
     The path (subject or stream) and the query (kvstream's options) are left out;
     credentials stay (they are never shown in messages).
@@ -412,7 +412,7 @@ def client_url(raw: str, scheme: str, default_port: int) -> str:
 
 
 def check_from_seq(from_seq: object, where: str) -> FromSeq:
-    """Return ``from_seq`` if it is a valid :data:`FromSeq`, else raise ConfigError."""
+    """Return `from_seq` if it is a valid `FromSeq`, else raise ConfigError."""
     if from_seq is None:
         return None
     if type(from_seq) is int and from_seq >= 0:
@@ -427,9 +427,9 @@ def check_from_seq(from_seq: object, where: str) -> FromSeq:
 
 
 def start_seq(from_seq: FromSeq, origin: str) -> int | None:
-    """The first seq of ``origin`` a reader wants (None: no lower bound).
+    """The first seq of `origin` a reader wants (None: no lower bound).
 
-    A broker keeps history, so a reader that asks for ``from_seq`` reads the
+    A broker keeps history, so a reader that asks for `from_seq` reads the
     stream from its start and skips, in the first epoch it sees of each
     origin, the batches below this number.
     """
@@ -457,7 +457,7 @@ class SnapshotInfo(NamedTuple):
     epoch: str
     #: The first seq of the epoch the snapshot does not include.
     resume_seq: int
-    #: Where batch ``resume_seq - 1`` is in the stream: a JetStream stream
+    #: Where batch `resume_seq - 1` is in the stream: a JetStream stream
     #: sequence (decimal) or a Redis entry id.
     position: str
     #: The subject (NATS) or stream key (Redis) the origin's batches go to.
@@ -500,10 +500,10 @@ class SnapshotInfo(NamedTuple):
 def snapshot_parts(
     snapshot: Snapshot, events: Iterable[KVCacheEvent] | None = None
 ) -> Iterator[bytes]:
-    """The snapshot's events (``events``, else ``snapshot.events``) in slices of about
-    :data:`SNAPSHOT_PART_BLOCKS` blocks, each slice encoded as the batch
-    ``resume_seq - 1``. A generator, so that a caller can let other tasks run
-    between parts (and ``events`` can be made as they are encoded).
+    """The snapshot's events (`events`, else `snapshot.events`) in slices of about
+    `SNAPSHOT_PART_BLOCKS` blocks, each slice encoded as the batch
+    `resume_seq - 1`. A generator, so that a caller can let other tasks run
+    between parts (and `events` can be made as they are encoded).
     """
     codec = JsonCodec()
     seq = snapshot.resume_seq - 1
@@ -527,7 +527,7 @@ def _part(snapshot: Snapshot, seq: int, events: list[KVCacheEvent]) -> EventBatc
 
 
 def snapshot_envelope(info: SnapshotInfo, parts: list[bytes]) -> bytes:
-    """``KVSNAP1``, the info line (with the parts' lengths), then the parts."""
+    """`KVSNAP1`, the info line (with the parts' lengths), then the parts."""
     info = info._replace(parts=tuple(len(p) for p in parts))
     out = bytearray(_MAGIC)
     out += info.to_json()
@@ -538,7 +538,7 @@ def snapshot_envelope(info: SnapshotInfo, parts: list[bytes]) -> bytes:
 
 
 def read_envelope_info(head: bytes, where: str) -> SnapshotInfo | None:
-    """The info of an envelope from its first bytes; None when ``head`` ends before it."""
+    """The info of an envelope from its first bytes; None when `head` ends before it."""
     if not head.startswith(_MAGIC):
         raise DecodeError(f"{where}: not a kvstream snapshot (expected {_MAGIC[:-1]!r} first)")
     end = head.find(b"\n", len(_MAGIC))
@@ -548,7 +548,7 @@ def read_envelope_info(head: bytes, where: str) -> SnapshotInfo | None:
 
 
 def read_envelope(data: bytes, where: str) -> tuple[SnapshotInfo, list[memoryview]]:
-    """The info and the parts of an envelope; :class:`DecodeError` if it is not one."""
+    """The info and the parts of an envelope; `DecodeError` if it is not one."""
     if not data.startswith(_MAGIC):
         raise DecodeError(f"{where}: not a kvstream snapshot (expected {_MAGIC[:-1]!r} first)")
     end = data.find(b"\n", len(_MAGIC))
@@ -569,13 +569,13 @@ def read_envelope(data: bytes, where: str) -> tuple[SnapshotInfo, list[memoryvie
 
 
 def snapshot_key(origin: str) -> str:
-    """A subject token unique to ``origin``: its readable token and a digest of its name."""
+    """A subject token unique to `origin`: its readable token and a digest of its name."""
     digest = hashlib.blake2b(origin.encode(), digest_size=6).hexdigest()
     return f"{subject_token(origin)}-{digest}"
 
 
 def snapshot_subjects(origin: str) -> tuple[str, str]:
-    """``(head subject, part subject)`` of ``origin``'s snapshot on NATS."""
+    """`(head subject, part subject)` of `origin`'s snapshot on NATS."""
     base = SNAPSHOT_SUBJECT_PREFIX + snapshot_key(origin)
     return base + ".head", base + ".part"
 
@@ -649,12 +649,12 @@ class Heartbeat(NamedTuple):
 class SinkSnapshots:
     """What a broker sink keeps to publish snapshots: the state of the batches it
     delivered, where each origin's last one is in the stream, and when the next
-    snapshot is due (:class:`~kvstream.state.SnapshotSchedule`).
+    snapshot is due (`SnapshotSchedule`).
 
-    The sink calls :meth:`delivered` after each batch the broker acknowledged, in
-    stream order, and :meth:`take` when it is due: the snapshot is taken at that
-    batch boundary, from exactly the batches delivered, so its ``resume_seq`` and
-    ``position`` agree. A batch the sink discarded never reaches the keeper: the
+    The sink calls `delivered()` after each batch the broker acknowledged, in
+    stream order, and `take()` when it is due: the snapshot is taken at that
+    batch boundary, from exactly the batches delivered, so its `resume_seq` and
+    `position` agree. A batch the sink discarded never reaches the keeper: the
     origin's state is then unknown (a gap) until its next clear, and it gets no
     snapshot meanwhile (a reader sees the gap as readers of the stream do).
     """
@@ -678,7 +678,7 @@ class SinkSnapshots:
         self.failed = 0
 
     def delivered(self, batch: EventBatch, position: str) -> bool:
-        """Keep ``batch`` (acknowledged at ``position``); True when a snapshot is due."""
+        """Keep `batch` (acknowledged at `position`); True when a snapshot is due."""
         try:
             self.keeper.apply(batch)
         except StateLimitError as exc:
@@ -687,7 +687,7 @@ class SinkSnapshots:
         return self.schedule.due(batch)
 
     def take(self, origin: str) -> tuple[Snapshot, str] | None:
-        """The origin's snapshot header (its events: ``keeper.snapshot_events``) and its
+        """The origin's snapshot header (its events: `keeper.snapshot_events`) and its
         position, or None (logged once) if its state is unknown."""
         try:
             snap = self.keeper.snapshot_header(origin)
@@ -700,7 +700,7 @@ class SinkSnapshots:
         return snap, self._positions[origin]
 
     def origins(self) -> dict[str, tuple[str, int]]:
-        """``{origin: (epoch, last seq delivered)}``: what heartbeats announce."""
+        """`{origin: (epoch, last seq delivered)}`: what heartbeats announce."""
         out: dict[str, tuple[str, int]] = {}
         for origin in self.keeper.origins():
             pos = self.keeper.position(origin)
@@ -710,8 +710,8 @@ class SinkSnapshots:
 
 
 class Heartbeats:
-    """A broker sink's heartbeats: every ``interval`` seconds, each origin that
-    delivered no batch for that long is announced with ``beat(heartbeat)``.
+    """A broker sink's heartbeats: every `interval` seconds, each origin that
+    delivered no batch for that long is announced with `beat(heartbeat)`.
 
     Heartbeats start with an origin's first delivered batch (before it, the sink
     does not know the origin's epoch). Started on the sink's enter, stopped on its
@@ -769,8 +769,8 @@ class Heartbeats:
 def sink_snapshot_options(opts: Options) -> dict[str, Any]:
     """The snapshot and heartbeat options of a broker sink URL, as keyword arguments.
 
-    ``snapshot_every`` (batches), ``snapshot_interval`` (seconds),
-    ``snapshot_max_bytes`` and ``heartbeat`` (seconds).
+    `snapshot_every` (batches), `snapshot_interval` (seconds),
+    `snapshot_max_bytes` and `heartbeat` (seconds).
     """
     out: dict[str, Any] = {
         "snapshot_every": opts.pop_int("snapshot_every", minimum=1),

@@ -1,10 +1,10 @@
 """What the NATS and Redis client modules share: the extra check, shown URLs, cleanup.
 
-:mod:`kvstream.wire.nats_client` and :mod:`kvstream.wire.redis_client` wrap
+`kvstream.wire.nats_client` and `kvstream.wire.redis_client` wrap
 two different client libraries; the rules they have in common are written
 here once:
 
-* a missing client library says which ``pip install 'kvstream-events[...]'`` fixes it;
+* a missing client library says which `pip install 'kvstream-events[...]'` fixes it;
 * a URL in a message never shows its credentials or path;
 * a client opened for a set-up step that fails (or is cancelled) is closed
   before the failure goes on.
@@ -26,9 +26,9 @@ __all__ = ["closed_on_error", "import_extra", "shown_url"]
 
 
 def import_extra(package: str, extra: str, *modules: str) -> ModuleType:
-    """Import ``modules`` (the first is returned) or raise :class:`MissingDependencyError`.
+    """Import `modules` (the first is returned) or raise `MissingDependencyError`.
 
-    ``package`` is what pip installs, ``extra`` the kvstream extra that pulls it in.
+    `package` is what pip installs, `extra` the kvstream extra that pulls it in.
     """
     try:
         found = [importlib.import_module(name) for name in modules]
@@ -38,7 +38,7 @@ def import_extra(package: str, extra: str, *modules: str) -> ModuleType:
 
 
 def shown_url(url: str) -> str:
-    """``url`` without credentials or path, for messages: ``nats://127.0.0.1:4222``."""
+    """`url` without credentials or path, for messages: `nats://127.0.0.1:4222`."""
     parts = urlsplit(url)
     host = parts.hostname or "localhost"
     if ":" in host:
@@ -49,9 +49,9 @@ def shown_url(url: str) -> str:
 
 @asynccontextmanager
 async def closed_on_error(close: Callable[[], Awaitable[object]]) -> AsyncIterator[None]:
-    """Run the block; if it raises (cancellation included), ``await close()``, then re-raise.
+    """Run the block; if it raises (cancellation included), `await close()`, then re-raise.
 
-    ``close`` runs shielded, so a cancelled set-up still releases its client.
+    `close` runs shielded, so a cancelled set-up still releases its client.
     """
     try:
         yield

@@ -3,25 +3,25 @@
 The protocol is h11's (a sans-IO HTTP/1.1 implementation); this module adds the
 I/O on anyio, and the limits every listener of kvstream documents and enforces:
 
-* **connections**: at most ``max_connections`` at once. When a new one arrives at
+* **connections**: at most `max_connections` at once. When a new one arrives at
   the limit, the connection idle the longest (keep-alive, or connected and silent)
   is closed to make room; only when every connection is mid-request is the new
-  one refused with ``503``. So idle or silent clients cannot lock the server out.
-* **the request head**: at most ``head_bytes`` (``431`` beyond), complete within
-  ``head_timeout`` seconds of its first byte (``408``): a slow-loris client is cut
+  one refused with `503`. So idle or silent clients cannot lock the server out.
+* **the request head**: at most `head_bytes` (`431` beyond), complete within
+  `head_timeout` seconds of its first byte (`408`): a slow-loris client is cut
   off, whatever its pace.
-* **the body**: at most ``body_bytes`` (``413``, checked against
-  ``Content-Length`` before any of the body is read), within ``body_timeout``.
-* **keep-alive**: a connection waits ``idle_timeout`` seconds for its next request.
-* **authorization**: with a token, every request needs ``Authorization: Bearer``
-  (compared in constant time); ``401`` otherwise.
+* **the body**: at most `body_bytes` (`413`, checked against
+  `Content-Length` before any of the body is read), within `body_timeout`.
+* **keep-alive**: a connection waits `idle_timeout` seconds for its next request.
+* **authorization**: with a token, every request needs `Authorization: Bearer`
+  (compared in constant time); `401` otherwise.
 * **accept failures** (too many open files): counted, logged once per burst, and
   retried with backoff; the listener keeps serving.
 
-Malformed requests (conflicting or non-numeric ``Content-Length``, bad header
-lines, ...) are refused by h11 and answered ``400``. A handler that raises gets
-``500`` (logged once per burst); the server goes on. Every refusal is counted in
-:meth:`HttpServer.statistics`.
+Malformed requests (conflicting or non-numeric `Content-Length`, bad header
+lines, ...) are refused by h11 and answered `400`. A handler that raises gets
+`500` (logged once per burst); the server goes on. Every refusal is counted in
+`HttpServer.statistics()`.
 """
 
 from __future__ import annotations
@@ -162,12 +162,12 @@ class _Slot:
 
 
 class HttpServer:
-    """Serves ``handler`` on ``host:port`` (port 0: any free port; see :attr:`port`).
+    """Serves `handler` on `host:port` (port 0: any free port; see `port`).
 
-    An async context manager; :meth:`aclose` is idempotent. Connections are kept
-    alive between requests unless ``keep_alive`` is false (one request per
-    connection, ``Connection: close``). ``name`` appears in log lines and errors;
-    ``token_hint`` says how to give a token when the address is not loopback.
+    An async context manager; `aclose()` is idempotent. Connections are kept
+    alive between requests unless `keep_alive` is false (one request per
+    connection, `Connection: close`). `name` appears in log lines and errors;
+    `token_hint` says how to give a token when the address is not loopback.
     """
 
     def __init__(

@@ -1,11 +1,11 @@
-"""Connecting to NATS the way both kvstream ends need it (nats-py, extra ``nats``).
+"""Connecting to NATS the way both kvstream ends need it (nats-py, extra `nats`).
 
 nats-py's own reconnection is switched off: when the server goes away the
-client closes, whoever owns it learns it at once (``on_lost``), and the owner
+client closes, whoever owns it learns it at once (`on_lost`), and the owner
 reconnects with its own backoff. That keeps every retry visible to kvstream's
 logic (the sink's de-duplication check, the subscriber's resume position)
 instead of hiding it in a buffer, and it makes a first connection fail fast
-with a clear :class:`~kvstream.errors.TransportError` instead of retrying for
+with a clear [`TransportError`][kvstream.errors.TransportError] instead of retrying for
 minutes. nats-py's error callbacks are replaced with one-line log records.
 """
 
@@ -38,7 +38,7 @@ log = logging.getLogger("kvstream.nats")
 
 
 def require_nats() -> Any:
-    """The ``nats`` package, or :class:`MissingDependencyError` naming the extra."""
+    """The `nats` package, or `MissingDependencyError` naming the extra."""
     return import_extra("nats-py", "nats", "nats", "nats.js.errors")
 
 
@@ -60,9 +60,9 @@ async def connect(
     connect_timeout: float,
     on_lost: Callable[[], None],
 ) -> Client:
-    """Connect once; raise ``TransportError("cannot reach nats://...: ...")`` on failure.
+    """Connect once; raise `TransportError("cannot reach nats://...: ...")` on failure.
 
-    ``on_lost`` is called (from nats-py's task) when the connection drops or
+    `on_lost` is called (from nats-py's task) when the connection drops or
     closes; the client does not reconnect by itself.
     """
     nats = require_nats()
@@ -108,12 +108,12 @@ async def connect(
 
 
 async def find_stream(client: Client, subject: str, stream: str | None, where: str) -> Any | None:
-    """The ``StreamInfo`` of the stream named ``stream`` or covering ``subject``.
+    """The `StreamInfo` of the stream named `stream` or covering `subject`.
 
-    Returns None when there is none. Raises :class:`ConfigError` when the
-    stream found does not cover ``subject`` (JetStream's lookup matches
+    Returns None when there is none. Raises [`ConfigError`][kvstream.errors.ConfigError] when the
+    stream found does not cover `subject` (JetStream's lookup matches
     overlapping subjects, kvstream needs covering ones), and
-    :class:`TransportError` when the server has no JetStream.
+    [`TransportError`][kvstream.errors.TransportError] when the server has no JetStream.
     """
     nats = require_nats()
     jsm = client.jsm()
@@ -150,9 +150,9 @@ def jetstream_errors(where: str, doing: str) -> Iterator[None]:
     """Translate the errors of JetStream management calls (streams, consumers).
 
     The server refusing the request (an API error: a bad name, a limit, a
-    permission) is a :class:`ConfigError`, since trying again would not help;
-    a lost connection is a :class:`TransportError`. Both read
-    ``"<where>: cannot <doing>: <why>"``. kvstream's own errors pass unchanged.
+    permission) is a `ConfigError`, since trying again would not help;
+    a lost connection is a [`TransportError`][kvstream.errors.TransportError]. Both read
+    `"<where>: cannot <doing>: <why>"`. kvstream's own errors pass unchanged.
     """
     nats = require_nats()
     try:
@@ -168,9 +168,9 @@ def jetstream_errors(where: str, doing: str) -> Iterator[None]:
 
 
 def no_stream_error(where: str, stream: str | None, subject: str, remedy: str) -> ConfigError:
-    """The error for a missing stream (the one named ``stream``, or any covering ``subject``).
+    """The error for a missing stream (the one named `stream`, or any covering `subject`).
 
-    ``remedy`` completes "create it, or ...": what the user can do instead.
+    `remedy` completes "create it, or ...": what the user can do instead.
     """
     which = (
         f"stream {stream!r} does not exist"
@@ -181,7 +181,7 @@ def no_stream_error(where: str, stream: str | None, subject: str, remedy: str) -
 
 
 async def close_quietly(client: Client | None, *, force: bool = False) -> None:
-    """Close ``client`` if it is open (or ``force``), logging (not raising) what goes wrong."""
+    """Close `client` if it is open (or `force`), logging (not raising) what goes wrong."""
     if client is None or (client.is_closed and not force):
         return
     try:

@@ -1,10 +1,10 @@
-"""Connecting to Redis the way both kvstream ends need it (redis-py asyncio, extra ``redis``).
+"""Connecting to Redis the way both kvstream ends need it (redis-py asyncio, extra `redis`).
 
-redis-py's own command retries are switched off: a retried ``XADD`` whose
+redis-py's own command retries are switched off: a retried `XADD` whose
 first attempt reached the server would add the entry twice. The sink retries
 itself, after checking what the stream already holds; the subscriber retries
 reads with its own backoff. A connection error at start becomes
-``TransportError("cannot reach redis://127.0.0.1:6379: ...")``.
+`TransportError("cannot reach redis://127.0.0.1:6379: ...")`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ log = logging.getLogger("kvstream.redis")
 
 
 def require_redis() -> Any:
-    """The ``redis`` package, or :class:`MissingDependencyError` naming the extra."""
+    """The `redis` package, or `MissingDependencyError` naming the extra."""
     return import_extra("redis", "redis", "redis", "redis.asyncio", "redis.exceptions")
 
 
@@ -47,7 +47,7 @@ def describe_error(exc: BaseException) -> str:
 
 
 def make_client(url: str, *, db: int = 0, connect_timeout: float = 5.0) -> Redis:
-    """A client for ``redis://[[USER]:PASSWORD@]HOST[:PORT]`` (``rediss://`` for TLS)."""
+    """A client for `redis://[[USER]:PASSWORD@]HOST[:PORT]` (`rediss://` for TLS)."""
     redis = require_redis()
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
@@ -70,7 +70,7 @@ def make_client(url: str, *, db: int = 0, connect_timeout: float = 5.0) -> Redis
 
 
 async def open_client(url: str, *, db: int = 0, connect_timeout: float = 5.0) -> Redis:
-    """A client that answered ``PING``; ``TransportError`` naming the server otherwise."""
+    """A client that answered `PING`; `TransportError` naming the server otherwise."""
     redis = require_redis()
     client = make_client(url, db=db, connect_timeout=connect_timeout)
     try:
@@ -91,7 +91,7 @@ async def open_client(url: str, *, db: int = 0, connect_timeout: float = 5.0) ->
 
 
 async def stream_type_check(client: Redis, key: str, where: str) -> None:
-    """ConfigError when ``key`` exists and is not a stream."""
+    """ConfigError when `key` exists and is not a stream."""
     redis = require_redis()
     try:
         kind = await client.type(key)
@@ -106,7 +106,7 @@ async def stream_type_check(client: Redis, key: str, where: str) -> None:
 async def open_stream_client(
     url: str, stream: str, *, db: int = 0, connect_timeout: float = 5.0
 ) -> Redis:
-    """:func:`open_client`, then ConfigError (the client closed) when ``stream`` is not a stream."""
+    """`open_client()`, then ConfigError (the client closed) when `stream` is not a stream."""
     client = await open_client(url, db=db, connect_timeout=connect_timeout)
     async with closed_on_error(lambda: close_quietly(client)):
         await stream_type_check(client, stream, shown_url(url))
@@ -115,9 +115,9 @@ async def open_stream_client(
 
 @asynccontextmanager
 async def translated_errors(client: Redis, where: str) -> AsyncIterator[None]:
-    """Around a set-up step of a new ``client``: if the step fails, close the client.
+    """Around a set-up step of a new `client`: if the step fails, close the client.
 
-    Redis and socket errors of the step become ``TransportError("<where>: ...")``.
+    Redis and socket errors of the step become `TransportError("<where>: ...")`.
     """
     redis = require_redis()
     async with closed_on_error(lambda: close_quietly(client)):
@@ -130,7 +130,7 @@ async def translated_errors(client: Redis, where: str) -> AsyncIterator[None]:
 
 
 async def close_quietly(client: Redis | None) -> None:
-    """Close ``client`` and its pool, logging (not raising) what goes wrong."""
+    """Close `client` and its pool, logging (not raising) what goes wrong."""
     if client is None:
         return
     try:

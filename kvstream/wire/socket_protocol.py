@@ -1,11 +1,11 @@
 """The socket protocol, version 1: every rule both ends of a TCP/Unix stream share.
 
-The sink (:mod:`kvstream.sinks.socket`) and the subscriber
-(:mod:`kvstream.consumers.socket`) import their wire knowledge from here and
-nowhere else; ``docs/socket-protocol.md`` is the prose version of this module.
+The sink (`kvstream.sinks.socket`) and the subscriber
+(`kvstream.consumers.socket`) import their wire knowledge from here and
+nowhere else; `docs/socket-protocol.md` is the prose version of this module.
 Everything here is sans-IO: byte strings in, byte strings and values out.
 
-The conversation::
+The conversation:
 
     subscriber                                   sink
     ──────────                                   ────
@@ -15,30 +15,30 @@ The conversation::
                       ◄──────────────   end (the sink is closing), then close
 
 **Hello** (subscriber to sink, one JSON object on one line, at most
-:data:`MAX_HELLO_BYTES` bytes with its ``\\n``; every key optional)::
+`MAX_HELLO_BYTES` bytes with its `\\n`; every key optional):
 
     {"from_seq": 42, "epoch": "3f9c...", "token": "...", "version": 1}
 
-``from_seq`` is an integer (every origin from that seq) or an object mapping
-origins to integers, where the key ``"*"`` gives the default for origins not
-named; without it the subscriber gets live batches only. ``epoch`` (a string,
+`from_seq` is an integer (every origin from that seq) or an object mapping
+origins to integers, where the key `"*"` gives the default for origins not
+named; without it the subscriber gets live batches only. `epoch` (a string,
 or an object mapping origins to strings) says which epoch those numbers count
 in: for an origin whose current epoch differs, the sink starts at seq 0 of the
-current epoch. ``token`` is the shared secret when the sink has one.
+current epoch. `token` is the shared secret when the sink has one.
 
-**Welcome** (sink to subscriber, always one JSON line, before anything else)::
+**Welcome** (sink to subscriber, always one JSON line, before anything else):
 
     {"type": "welcome", "version": 1, "codec": "json", "framing": "lines",
      "snapshot": true,
      "origins": {"engine-0": {"epoch": "3f9c...", "oldest": 17, "newest": 41}}}
 
-``oldest``/``newest`` are the first and last seq of the origin's current epoch
-that the sink can replay (``oldest`` is null when the ring holds none of it;
-``newest`` is the last seq the sink published).
+`oldest`/`newest` are the first and last seq of the origin's current epoch
+that the sink can replay (`oldest` is null when the ring holds none of it;
+`newest` is the last seq the sink published).
 
-**Messages after the welcome.** With ``framing: "lines"`` (the ``json`` codec)
-every message is one JSON line. With ``framing: "frames"`` (any other codec,
-such as ``msgpack``) every message is one frame::
+**Messages after the welcome.** With `framing: "lines"` (the `json` codec)
+every message is one JSON line. With `framing: "frames"` (any other codec,
+such as `msgpack`) every message is one frame:
 
     frame  = length (uint32, big-endian) body          length = len(body) <= the reader's cap
     body   = header_length (uint16, big-endian) header payload
@@ -46,14 +46,14 @@ such as ``msgpack``) every message is one frame::
     payload = the codec's bytes (a batch, or a snapshot part's events); empty for control
 
 The rule that tells batches from control messages is the same in both
-framings: **a message whose object (line or header) has a ``seq`` key is a
-batch; every other message is a control message, named by its ``type``**
-(``welcome``, ``gap``, ``snapshot``, ``end``, ``error``). A reader skips control
-types it does not know. In frames, a batch header is ``{"origin", "epoch",
-"seq"}``, because vLLM's msgpack batch ``[ts, events, data_parallel_rank]``
+framings: **a message whose object (line or header) has a `seq` key is a
+batch; every other message is a control message, named by its `type`**
+(`welcome`, `gap`, `snapshot`, `end`, `error`). A reader skips control
+types it does not know. In frames, a batch header is `{"origin", "epoch",
+"seq"}`, because vLLM's msgpack batch `[ts, events, data_parallel_rank]`
 carries none of them.
 
-Control messages::
+Control messages:
 
     {"type": "gap", "origin": O, "epoch": E, "first_missing": 3, "next_seq": 17,
      "reason": "evicted"}               batches [3, 17) of O will never come
@@ -115,7 +115,7 @@ _V = TypeVar("_V")
 
 #: The version this module speaks. A hello naming a higher one is refused.
 PROTOCOL_VERSION: Final = 1
-#: The hello line, ``\n`` included, is at most this long: a peer cannot make
+#: The hello line, `\n` included, is at most this long: a peer cannot make
 #: the sink buffer more before it has said who it is.
 MAX_HELLO_BYTES: Final = 64 * 1024
 #: The welcome and error lines (before the framing is known) are at most this long.
@@ -142,7 +142,7 @@ _msgpack_decode = msgspec.msgpack.Decoder().decode
 class ProtocolError(DecodeError):
     """The peer broke the socket protocol (a bad hello, an oversized frame, ...).
 
-    ``code`` is the error code the sink sends back (``bad_hello``, ``version``, ...).
+    `code` is the error code the sink sends back (`bad_hello`, `version`, ...).
     """
 
     def __init__(self, message: str, code: str = "protocol") -> None:
@@ -152,14 +152,14 @@ class ProtocolError(DecodeError):
 
 # -- the hello ------------------------------------------------------------------------
 
-#: What ``from_seq`` / ``epoch`` may be: one value for every origin, or per origin.
+#: What `from_seq` / `epoch` may be: one value for every origin, or per origin.
 FromSeq: TypeAlias = int | Mapping[str, int] | None
 
 
 class Hello(NamedTuple):
     """A subscriber's validated hello line."""
 
-    #: int, {origin: int} (``"*"``: every other origin), or None (live only)
+    #: int, {origin: int} (`"*"`: every other origin), or None (live only)
     from_seq: int | dict[str, int] | None = None
     #: str, {origin: str}, or None (the sink's current epoch)
     epoch: str | dict[str, str] | None = None
@@ -167,7 +167,7 @@ class Hello(NamedTuple):
     version: int = PROTOCOL_VERSION
 
     def start_for(self, origin: str) -> int | None:
-        """The seq ``origin`` is asked from, or None for live only."""
+        """The seq `origin` is asked from, or None for live only."""
         f = self.from_seq
         if f is None or isinstance(f, int):
             return f
@@ -175,14 +175,14 @@ class Hello(NamedTuple):
         return f.get("*") if n is None else n
 
     def epoch_for(self, origin: str) -> str | None:
-        """The epoch the subscriber's seq for ``origin`` counts in, if it said."""
+        """The epoch the subscriber's seq for `origin` counts in, if it said."""
         e = self.epoch
         if e is None or isinstance(e, str):
             return e
         return e.get(origin)
 
     def named_origins(self) -> list[str]:
-        """Origins the hello names explicitly (in ``from_seq`` or ``epoch``)."""
+        """Origins the hello names explicitly (in `from_seq` or `epoch`)."""
         names: list[str] = []
         for part in (self.from_seq, self.epoch):
             if isinstance(part, dict):
@@ -201,7 +201,7 @@ def _check_name(value: object, where: str) -> str:
 
 
 def _per_origin(raw: Any, field: str, check: Callable[[Any, str], _V]) -> _V | dict[str, _V] | None:
-    """A hello field given once for every origin, or as ``{origin: value}``."""
+    """A hello field given once for every origin, or as `{origin: value}`."""
     if raw is None:
         return None
     if type(raw) is not dict:
@@ -223,7 +223,7 @@ def _check_seq(value: object, where: str) -> int:
 
 
 def parse_hello(line: bytes) -> Hello:
-    """Validate one hello line (with or without its ``\\n``); raise :class:`ProtocolError`."""
+    """Validate one hello line (with or without its `\\n`); raise `ProtocolError`."""
     if len(line) > MAX_HELLO_BYTES:
         raise ProtocolError(
             f"hello: expected at most {MAX_HELLO_BYTES} bytes, got {len(line)}", "bad_hello"
@@ -268,7 +268,7 @@ def encode_hello(
     epoch: str | Mapping[str, str] | None = None,
     token: str | None = None,
 ) -> bytes:
-    """The hello line a subscriber sends (``\\n`` included)."""
+    """The hello line a subscriber sends (`\\n` included)."""
     obj: dict[str, Any] = {"version": PROTOCOL_VERSION}
     if from_seq is not None:
         obj["from_seq"] = from_seq if type(from_seq) is int else dict(from_seq)  # type: ignore[arg-type]
@@ -320,7 +320,7 @@ class Welcome(NamedTuple):
 
 
 def framing_of(codec: Codec) -> str:
-    """``lines`` for kvstream's JSON codec, ``frames`` for every other codec."""
+    """`lines` for kvstream's JSON codec, `frames` for every other codec."""
     return "lines" if isinstance(codec, JsonCodec) else "frames"
 
 
@@ -390,7 +390,7 @@ def parse_welcome(obj: Mapping[str, Any]) -> Welcome:
 
 
 def codec_by_name(name: str) -> Codec:
-    """The decoder for a codec the welcome names (``json``, ``msgpack``)."""
+    """The decoder for a codec the welcome names (`json`, `msgpack`)."""
     if name == "json":
         return JsonCodec()
     if name == "msgpack":
@@ -413,9 +413,9 @@ def _frame(header: Mapping[str, Any], payload: bytes = b"") -> bytes:
 
 
 def batch_message(data: bytes, batch: EventBatch, framing: str) -> bytes:
-    """The bytes of one batch on the wire, from its encoding ``data``.
+    """The bytes of one batch on the wire, from its encoding `data`.
 
-    Lines: the codec's JSON line itself. Frames: ``{origin, epoch, seq}`` header
+    Lines: the codec's JSON line itself. Frames: `{origin, epoch, seq}` header
     and the codec's bytes as the payload.
     """
     if framing == "lines":
@@ -424,7 +424,7 @@ def batch_message(data: bytes, batch: EventBatch, framing: str) -> bytes:
 
 
 def control_message(obj: Mapping[str, Any], framing: str) -> bytes:
-    """A control message (``gap``, ``end``, ``error``) in the connection's framing."""
+    """A control message (`gap`, `end`, `error`) in the connection's framing."""
     if "seq" in obj or "type" not in obj:
         raise ValueError("a control message has a type and no seq")
     if framing == "lines":
@@ -443,7 +443,7 @@ def snapshot_messages(
     data_parallel_rank: int | None,
     events: list[KVCacheEvent],
 ) -> list[bytes]:
-    """A snapshot as messages of at most :data:`SNAPSHOT_PART_EVENTS` events each."""
+    """A snapshot as messages of at most `SNAPSHOT_PART_EVENTS` events each."""
     framing = framing_of(codec)
     parts = [
         events[i : i + SNAPSHOT_PART_EVENTS] for i in range(0, len(events), SNAPSHOT_PART_EVENTS)
@@ -494,7 +494,7 @@ class BatchMessage(NamedTuple):
 
 
 class ControlMessage(NamedTuple):
-    """A message without ``seq``; ``type`` says which (unknown types are for skipping)."""
+    """A message without `seq`; `type` says which (unknown types are for skipping)."""
 
     type: str
     fields: dict[str, Any]
@@ -516,10 +516,10 @@ Message: TypeAlias = BatchMessage | ControlMessage | SnapshotPart
 class MessageReader:
     """Splits the bytes a subscriber receives into messages, and decodes them.
 
-    It starts in ``lines`` mode capped at :data:`MAX_CONTROL_LINE_BYTES` (for the
-    welcome); :meth:`use` switches to the framing and codec the welcome names,
+    It starts in `lines` mode capped at `MAX_CONTROL_LINE_BYTES` (for the
+    welcome); `use()` switches to the framing and codec the welcome names,
     keeping what is already buffered. Lines and frames longer than
-    ``max_message_bytes`` raise :class:`ProtocolError` before anything that size
+    `max_message_bytes` raise `ProtocolError` before anything that size
     is buffered, so a claimed 4 GB frame allocates nothing.
     """
 
@@ -604,8 +604,8 @@ class MessageReader:
     def next_message(self) -> Message | None:
         """The next decoded message, or None when more bytes are needed.
 
-        :class:`ProtocolError` means the stream itself is broken (framing,
-        oversize): drop the connection. Any other :class:`DecodeError` is about
+        `ProtocolError` means the stream itself is broken (framing,
+        oversize): drop the connection. Any other `DecodeError` is about
         one message, which has been consumed: skip it and go on.
         """
         raw = self.next_raw()

@@ -2,12 +2,12 @@
 
 Secure by default:
 
-* a TCP sink binds ``127.0.0.1`` unless told otherwise, and refuses any other
+* a TCP sink binds `127.0.0.1` unless told otherwise, and refuses any other
   address without a token;
 * a token is read from an environment variable or a file, never from a URL or
-  a command line (which other users can read in ``ps``), and it never appears
-  in a log line, an error message or a ``repr``;
-* tokens are compared in constant time (:func:`~kvstream.wire.socket_protocol.token_matches`).
+  a command line (which other users can read in `ps`), and it never appears
+  in a log line, an error message or a `repr`;
+* tokens are compared in constant time (`token_matches()`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ log = logging.getLogger("kvstream.wire")
 
 
 def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    """True for `localhost` and loopback addresses (127.0.0.0/8, ::1)."""
     if host.lower() == "localhost":
         return True
     try:
@@ -60,7 +60,7 @@ def check_listen_address(
 
 
 def bearer_authorized(authorization: str | None, token: str | None) -> bool:
-    """Does an HTTP ``Authorization`` header carry ``Bearer <token>``? Constant time.
+    """Does an HTTP `Authorization` header carry `Bearer <token>`? Constant time.
 
     Always True when no token is set (a loopback-only listener).
     """
@@ -73,9 +73,9 @@ def bearer_authorized(authorization: str | None, token: str | None) -> bool:
 
 
 def read_token(*, env: str | None, file: str | None, where: str) -> str | None:
-    """The shared secret from ``$env`` or the file ``file`` (one line), or None.
+    """The shared secret from `$env` or the file `file` (one line), or None.
 
-    Raises :class:`ConfigError` when the variable is unset or empty, the file
+    Raises `ConfigError` when the variable is unset or empty, the file
     cannot be read or is empty, or both are given. The token itself is never
     part of a message.
     """
@@ -110,9 +110,9 @@ def read_token(*, env: str | None, file: str | None, where: str) -> str | None:
 
 
 def token_from_options(opts: Options, where: str) -> str | None:
-    """The token a URL's ``token_env=`` or ``token_file=`` option names (see :func:`read_token`).
+    """The token a URL's `token_env=` or `token_file=` option names (see `read_token()`).
 
-    A ``token=`` option is refused: a secret in a URL is visible to other users.
+    A `token=` option is refused: a secret in a URL is visible to other users.
     """
     if "token" in opts:
         raise ConfigError(
@@ -138,7 +138,7 @@ def server_ssl_context(cert: str, key: str | None, *, where: str) -> ssl.SSLCont
 
 
 def client_ssl_context(ca: str | None, *, where: str) -> ssl.SSLContext:
-    """A TLS client context trusting ``ca`` (a PEM file), or the system's CAs."""
+    """A TLS client context trusting `ca` (a PEM file), or the system's CAs."""
     try:
         ctx = ssl.create_default_context(cafile=ca)
     except (OSError, ssl.SSLError) as exc:

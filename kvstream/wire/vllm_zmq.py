@@ -2,15 +2,15 @@
 
 The ZMQ sink (publisher) and the ZMQ subscriber (ingest) both build and read
 their frames here, so a rule of the wire is written once. This module imports
-no ZMQ: it deals in frames (``bytes``) and endpoints (``str``).
+no ZMQ: it deals in frames (`bytes`) and endpoints (`str`).
 
-Live stream, one multipart message per batch::
+Live stream, one multipart message per batch:
 
     [topic, seq (8 bytes, big-endian, unsigned), payload (msgpack batch)]
 
-Replay, on its own ROUTER endpoint. A DEALER sends ``[b"", start_seq]``; the
-ROUTER sees ``[identity, b"", start_seq]`` and answers every buffered batch with
-``seq >= start_seq``, oldest first, then an end marker::
+Replay, on its own ROUTER endpoint. A DEALER sends `[b"", start_seq]`; the
+ROUTER sees `[identity, b"", start_seq]` and answers every buffered batch with
+`seq >= start_seq`, oldest first, then an end marker:
 
     [identity, b"", topic, seq, payload]        layout "topic" (vLLM v0.26+, TensorRT-LLM)
     [identity, b"", seq, payload]               layout "legacy" (older vLLM, SGLang)
@@ -58,7 +58,7 @@ __all__ = [
     "unpack_seq",
 ]
 
-#: vLLM's defaults (``--kv-events-config``).
+#: vLLM's defaults (`--kv-events-config`).
 DEFAULT_ENDPOINT: Final = "tcp://*:5557"
 DEFAULT_HWM: Final = 100_000
 DEFAULT_BUFFER_STEPS: Final = 10_000
@@ -82,14 +82,14 @@ def _short(value: object) -> str:
 
 
 def pack_seq(seq: int) -> bytes:
-    """The 8-byte, big-endian, unsigned sequence frame of ``seq``."""
+    """The 8-byte, big-endian, unsigned sequence frame of `seq`."""
     if type(seq) is not int or not 0 <= seq < _END_VALUE:
         raise ValueError(f"seq: expected an int in [0, 2**64 - 1), got {seq!r}")
     return seq.to_bytes(8, "big")
 
 
 def unpack_seq(frame: bytes, where: str = "seq frame") -> int:
-    """The sequence number in an 8-byte frame; :class:`DecodeError` for any other length."""
+    """The sequence number in an 8-byte frame; `DecodeError` for any other length."""
     if len(frame) != 8:
         raise DecodeError(f"{where}: expected 8 bytes (big-endian), got {len(frame)} bytes")
     return int.from_bytes(frame, "big")
@@ -99,7 +99,7 @@ def unpack_seq(frame: bytes, where: str = "seq frame") -> int:
 
 
 class LiveMessage(NamedTuple):
-    """One live message: ``[topic, seq, payload]``."""
+    """One live message: `[topic, seq, payload]`."""
 
     topic: bytes
     seq: int
@@ -107,12 +107,12 @@ class LiveMessage(NamedTuple):
 
 
 def live_frames(topic: bytes, seq_frame: bytes, payload: bytes) -> list[bytes]:
-    """The frames of one live message (``seq_frame`` from :func:`pack_seq`)."""
+    """The frames of one live message (`seq_frame` from `pack_seq()`)."""
     return [topic, seq_frame, payload]
 
 
 def parse_live(frames: Sequence[bytes]) -> LiveMessage:
-    """Read one live message; :class:`DecodeError` names what is wrong."""
+    """Read one live message; [`DecodeError`][kvstream.errors.DecodeError] names what is wrong."""
     if len(frames) != 3:
         raise DecodeError(
             f"live message: expected 3 frames [topic, seq, payload], got {len(frames)}"
@@ -128,12 +128,12 @@ def parse_live(frames: Sequence[bytes]) -> LiveMessage:
 
 
 def replay_request(start_seq: int) -> list[bytes]:
-    """What a DEALER sends to ask for every buffered batch with ``seq >= start_seq``."""
+    """What a DEALER sends to ask for every buffered batch with `seq >= start_seq`."""
     return [b"", pack_seq(start_seq)]
 
 
 def parse_replay_request(frames: Sequence[bytes]) -> tuple[bytes, int]:
-    """``(identity, start_seq)`` of a request as a ROUTER receives it."""
+    """`(identity, start_seq)` of a request as a ROUTER receives it."""
     if len(frames) != 3:
         raise DecodeError(
             f"replay request: expected 3 frames [identity, b'', start_seq], got {len(frames)}"
@@ -163,7 +163,7 @@ def replay_end(identity: bytes, layout: ReplayLayout) -> list[bytes]:
 
 
 class ReplayBatch(NamedTuple):
-    """One replayed batch as a DEALER receives it. ``topic`` is None in the legacy layout."""
+    """One replayed batch as a DEALER receives it. `topic` is None in the legacy layout."""
 
     topic: bytes | None
     seq: int
@@ -193,7 +193,7 @@ def parse_replay_reply(frames: Sequence[bytes]) -> ReplayBatch | None:
 
 
 def llm_d_topic(pod_id: str, model: str) -> str:
-    """llm-d's topic ``kv@<pod-id>@<model>``; refuses parts that are empty or hold ``@``."""
+    """llm-d's topic `kv@<pod-id>@<model>`; refuses parts that are empty or hold `@`."""
     for name, part in (("pod_id", pod_id), ("model", model)):
         if type(part) is not str or not part:
             raise ConfigError(f"llm-d topic: {name}: expected a non-empty str, got {part!r}")
@@ -206,7 +206,7 @@ def llm_d_topic(pod_id: str, model: str) -> str:
 
 
 def parse_llm_d_topic(topic: str) -> tuple[str, str]:
-    """``(pod_id, model)`` of an llm-d topic; :class:`DecodeError` unless it has that form."""
+    """`(pod_id, model)` of an llm-d topic; `DecodeError` unless it has that form."""
     parts = topic.split("@")
     if len(parts) != 3 or parts[0] != "kv" or not parts[1] or not parts[2]:
         raise DecodeError(f"topic: expected kv@<pod-id>@<model>, got {_short(topic)}")
@@ -219,7 +219,7 @@ _ZMQ_TRANSPORTS: Final = ("tcp://", "ipc://", "inproc://")
 
 
 def should_bind(endpoint: str) -> bool:
-    """vLLM's publisher rule: bind for ``*``, ``::``, ``ipc://`` and ``inproc://``, else connect.
+    """vLLM's publisher rule: bind for `*`, `::`, `ipc://` and `inproc://`, else connect.
 
     So a central consumer can bind and every engine connect to it.
     """
@@ -227,7 +227,7 @@ def should_bind(endpoint: str) -> bool:
 
 
 def normalize_endpoint(text: str, what: str = "endpoint") -> str:
-    """A ZMQ endpoint from ``tcp://...``/``ipc://...``/``inproc://...`` or ``zmq+tcp://...``."""
+    """A ZMQ endpoint from `tcp://...`/`ipc://...`/`inproc://...` or `zmq+tcp://...`."""
     if type(text) is not str or not text:
         raise ConfigError(f"{what}: expected a ZMQ endpoint like tcp://HOST:PORT, got {text!r}")
     endpoint = text[4:] if text.startswith("zmq+") else text
@@ -242,7 +242,7 @@ def normalize_endpoint(text: str, what: str = "endpoint") -> str:
 
 
 def endpoint_from_parts(scheme: str, address: str, path: str, raw: str) -> str:
-    """The ZMQ endpoint of a kvstream URL (``zmq+tcp://H:P`` or ``zmq+ipc://PATH``)."""
+    """The ZMQ endpoint of a kvstream URL (`zmq+tcp://H:P` or `zmq+ipc://PATH`)."""
     if scheme == "zmq+tcp":
         if not re.search(r":\d+$", address):
             raise ConfigError(f"{raw}: expected zmq+tcp://HOST:PORT with a port")
@@ -257,7 +257,7 @@ def endpoint_from_parts(scheme: str, address: str, path: str, raw: str) -> str:
 def offset_endpoint(endpoint: str, data_parallel_rank: int | None) -> str:
     """The endpoint of one data-parallel rank, as vLLM derives it.
 
-    TCP: the port plus the rank. ``inproc://`` and ``ipc://``: ``_dp<rank>``
+    TCP: the port plus the rank. `inproc://` and `ipc://`: `_dp<rank>`
     appended to the name (rank 0 keeps the endpoint as given).
     """
     if not data_parallel_rank:
@@ -278,7 +278,7 @@ def offset_endpoint(endpoint: str, data_parallel_rank: int | None) -> str:
 
 @dataclass(frozen=True)
 class KVEventsConfig:
-    """vLLM's ``--kv-events-config`` (``KVEventsConfig``), as users already write it."""
+    """vLLM's `--kv-events-config` (`KVEventsConfig`), as users already write it."""
 
     enable_kv_cache_events: bool = True
     publisher: str = "zmq"
@@ -291,13 +291,13 @@ class KVEventsConfig:
 
     @property
     def enabled(self) -> bool:
-        """False when the config turns publishing off (``null`` publisher or disabled)."""
+        """False when the config turns publishing off (`null` publisher or disabled)."""
         return self.enable_kv_cache_events and self.publisher != "null"
 
     def sink_settings(self, data_parallel_rank: int | None = None) -> dict[str, Any]:
-        """Keyword arguments for ``ZmqSink`` (endpoints offset by the rank, as vLLM does).
+        """Keyword arguments for `ZmqSink` (endpoints offset by the rank, as vLLM does).
 
-        ``max_queue_size`` bounds the sink's outbox in batches, as it bounds
+        `max_queue_size` bounds the sink's outbox in batches, as it bounds
         vLLM's publisher queue.
         """
         replay = self.replay_endpoint
@@ -326,12 +326,12 @@ _CONFIG_TYPES: Final[dict[str, tuple[type, ...]]] = {
 
 
 def parse_kv_events_config(config: str | Mapping[str, Any]) -> KVEventsConfig:
-    """Parse vLLM's ``--kv-events-config`` (JSON text or a mapping).
+    """Parse vLLM's `--kv-events-config` (JSON text or a mapping).
 
     Keys are vLLM's; an unknown key, a wrong type or a bad endpoint is a
-    :class:`ConfigError` naming it. ``enable_kv_cache_events`` defaults to true
-    here (giving the option is the intent to publish); ``false`` or
-    ``"publisher": "null"`` makes :attr:`KVEventsConfig.enabled` false.
+    `ConfigError` naming it. `enable_kv_cache_events` defaults to true
+    here (giving the option is the intent to publish); `false` or
+    `"publisher": "null"` makes `KVEventsConfig.enabled` false.
     """
     if isinstance(config, str):
         try:

@@ -282,8 +282,23 @@ class Sink(ABC):
             raise
         self._tg = tg
         tg.start_soon(self._writer, name=f"kvstream sink writer {self.name}")
+        try:
+            self.start_tasks(tg)
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await self.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
         self._accepting = not self._closing
         return self
+
+    def start_tasks(self, tg: TaskGroup) -> None:  # noqa: B027 - optional hook, empty on purpose
+        """Start the sink's own background tasks in `tg` (optional hook).
+
+        Called once as the sink is entered, after `open()` and the writer. `tg` is
+        the sink's task group: it is cancelled when the sink closes, after what
+        was queued has been delivered. A sink with tasks of its own overrides
+        this, never `__aenter__` or `__aexit__`.
+        """
 
     async def __aexit__(
         self,

@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import logging
 import time
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final, Literal, Self
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import anyio
 import anyio.abc
 import anyio.lowlevel
 import orjson
+from anyio.abc import TaskGroup
 
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ConfigError, TransportError
@@ -465,24 +465,9 @@ class NatsSink(Sink):
             return
         await client.publish(heartbeat_subject(heartbeat.origin), heartbeat.to_json())
 
-    async def __aenter__(self) -> Self:
-        await super().__aenter__()
+    def start_tasks(self, tg: TaskGroup) -> None:
         if self._heartbeats is not None:
-            await self._heartbeats.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        try:
-            if self._heartbeats is not None:
-                await self._heartbeats.stop()
-        finally:
-            result = await super().__aexit__(exc_type, exc, tb)
-        return result
+            tg.start_soon(self._heartbeats.run, name=f"kvstream heartbeats {self.name}")
 
     async def aclose(self) -> None:
         try:

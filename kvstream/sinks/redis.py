@@ -31,11 +31,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
+from anyio.abc import TaskGroup
 
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ConfigError, DecodeError, TransportError
@@ -319,24 +319,9 @@ class RedisSink(Sink):
             redis_heartbeats_key(self.stream), heartbeat.origin.encode(), heartbeat.to_json()
         )
 
-    async def __aenter__(self) -> Self:
-        await super().__aenter__()
+    def start_tasks(self, tg: TaskGroup) -> None:
         if self._heartbeats is not None:
-            await self._heartbeats.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        try:
-            if self._heartbeats is not None:
-                await self._heartbeats.stop()
-        finally:
-            result = await super().__aexit__(exc_type, exc, tb)
-        return result
+            tg.start_soon(self._heartbeats.run, name=f"kvstream heartbeats {self.name}")
 
     async def aclose(self) -> None:
         try:

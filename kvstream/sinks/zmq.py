@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple, Self
 
 import anyio
 import anyio.lowlevel
+from anyio.abc import TaskGroup
 
 from kvstream.codecs.msgpack import MsgpackCodec, codec_from_options
 from kvstream.errors import ConfigError, DecodeError, MissingDependencyError, TransportError
@@ -346,15 +347,11 @@ class ZmqSink(Sink):
             raise
         self._ctx = ctx
 
-    async def __aenter__(self) -> Self:
-        await super().__aenter__()
-        tg = self._tg
-        assert tg is not None
+    def start_tasks(self, tg: TaskGroup) -> None:
         tg.start_soon(self._watch_subscriptions, name=f"kvstream {self.name} subscriptions")
         if self._router is not None:
             tg.start_soon(self._serve_replay, name=f"kvstream {self.name} replay requests")
             tg.start_soon(self._pump_replies, name=f"kvstream {self.name} replay replies")
-        return self
 
     async def aclose(self) -> None:
         try:

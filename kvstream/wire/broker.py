@@ -714,8 +714,9 @@ class Heartbeats:
     delivered no batch for that long is announced with `beat(heartbeat)`.
 
     Heartbeats start with an origin's first delivered batch (before it, the sink
-    does not know the origin's epoch). Started on the sink's enter, stopped on its
-    exit; a failed beat is logged at debug level and the next one is tried.
+    does not know the origin's epoch). `run()` is a task of the sink's (started
+    by `Sink.start_tasks`, cancelled when the sink closes); a failed beat is
+    logged at debug level and the next one is tried.
     """
 
     def __init__(
@@ -732,26 +733,14 @@ class Heartbeats:
         self._clock = clock
         self._last: dict[str, tuple[str, int, float]] = {}
         self._beats = 0
-        self._tg: anyio.abc.TaskGroup | None = None
         #: Heartbeats sent.
         self.sent = 0
 
     def delivered(self, batch: EventBatch) -> None:
         self._last[batch.origin] = (batch.epoch, batch.seq, self._clock())
 
-    async def start(self) -> None:
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        self._tg = tg
-        tg.start_soon(self._run, name=f"kvstream heartbeats {self.where}")
-
-    async def stop(self) -> None:
-        tg, self._tg = self._tg, None
-        if tg is not None:
-            tg.cancel_scope.cancel()
-            await tg.__aexit__(None, None, None)
-
-    async def _run(self) -> None:
+    async def run(self) -> None:
+        """Send heartbeats until cancelled (the sink runs this in its task group)."""
         while True:
             await anyio.sleep(self.interval)
             now = self._clock()

@@ -71,12 +71,20 @@ def expand_paths(patterns: list[str]) -> list[str]:
     return list(dict.fromkeys(paths))
 
 
-def read_recording(data: bytes) -> list[EventBatch]:
-    """The batches of a JSON-lines recording, snapshot lines included."""
+def read_recording(data: bytes, torn: list[int] | None = None) -> list[EventBatch]:
+    """The batches of a JSON-lines recording, snapshot lines included.
+
+    With `torn`, a line that is cut short (not JSON, after at least one batch:
+    a writer stopped mid-line, e.g. killed) is skipped and its number appended
+    to `torn`; any other bad line raises `DecodeError` naming it.
+    """
     codec = JsonCodec()
     batches: list[EventBatch] = []
     for number, line in enumerate(data.splitlines(), 1):
         if not line.strip():
+            continue
+        if torn is not None and batches and _is_torn(line):
+            torn.append(number)
             continue
         if b'"snapshot"' in line:
             try:
@@ -105,12 +113,31 @@ def read_recording(data: bytes) -> list[EventBatch]:
     return batches
 
 
-def _verify_one(path: str, data: bytes, joined_late: bool) -> bool:
+def _is_torn(line: bytes) -> bool:
+    """A line of kvstream's format cut short: it starts as one and is not JSON."""
+    if not line.startswith(b"{"):
+        return False
     try:
-        batches = read_recording(data)
+        orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return True
+    return False
+
+
+def _verify_one(path: str, data: bytes, joined_late: bool) -> bool:
+    torn: list[int] = []
+    try:
+        batches = read_recording(data, torn)
     except DecodeError as exc:
         print(f"kvstream verify: {path}: not a kvstream recording: {exc}", file=sys.stderr)
         return False
+    if torn:
+        lines = ", ".join(map(str, torn[:5])) + (" ..." if len(torn) > 5 else "")
+        print(
+            f"kvstream verify: {path}: {len(torn)} torn line(s) skipped (line {lines}): a "
+            "writer stopped mid-line (killed?); the batches around them are checked",
+            file=sys.stderr,
+        )
     try:
         report = check_consistency(batches, start_seq=None, joined_late=joined_late)
     except ConsistencyError as exc:

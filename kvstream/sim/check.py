@@ -66,6 +66,13 @@ def check_consistency(
                 raise ConsistencyError(
                     f"{where}: first batch of the epoch, expected seq {start_seq}"
                 )
+            if known is not None and batch.seq != 0 and not joined_late:
+                # Seen restarting inside the recording: its new epoch starts at 0.
+                raise ConsistencyError(
+                    f"{where}: the origin restarted (epoch {known[0]} -> {batch.epoch}) but "
+                    f"the new epoch's first batch here is seq {batch.seq}: seq 0.."
+                    f"{batch.seq - 1} are missing"
+                )
             partial.discard(batch.origin)  # a new epoch starts empty...
             if start_seq is None and (batch.seq != 0 or (joined_late and known is None)):
                 partial.add(batch.origin)  # ...unless it was joined late

@@ -15,6 +15,7 @@ writes (`events.jsonl` -> `events.000001.jsonl`, ...), keeping the newest
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -31,6 +32,8 @@ from kvstream.sinks.base import Sink
 from kvstream.sinks.rotation import RotationPolicy, Rotator
 
 __all__ = ["FileSink"]
+
+log = logging.getLogger("kvstream.sinks")
 
 
 class FileSink(Sink):
@@ -88,9 +91,38 @@ class FileSink(Sink):
         # New files are private (0600): events carry prompt token ids.
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         f = open(fd, "ab", buffering=0)  # noqa: SIM115 - lives as long as the sink
+        self._end_torn_line(f)
         if self.rotation is not None:
             self.rotation.opened(f.tell())
         return f
+
+    def _end_torn_line(self, f: IO[bytes]) -> None:
+        """End a torn last line (a writer killed mid-line) before appending to it.
+
+        Otherwise this sink's first batch would be glued to the torn line and
+        both lost to every reader. The torn line stays, on a line of its own,
+        which readers skip and report (`kvstream verify`, `kvstream tail`).
+        """
+        codec = self.codec
+        if codec is None or not codec.self_delimiting or self.path == "-":
+            return
+        try:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0 or not os.path.isfile(self.path):
+                return
+            with open(self.path, "rb") as tail:
+                tail.seek(size - 1)
+                last = tail.read(1)
+        except OSError:
+            return  # not readable back (a FIFO, permissions): nothing to repair
+        if last != b"\n":
+            f.write(b"\n")
+            log.warning(
+                "%s: %s ended in a torn line (a writer stopped mid-line); it is kept as a "
+                "line of its own, which readers skip, and new batches start on the next line",
+                self.name,
+                self.path,
+            )
 
     def _rotate_if_due(self, incoming: int) -> None:
         rotation = self.rotation

@@ -58,7 +58,6 @@ from kvstream.wire.broker import (
     redis_snapshot_key,
     sink_snapshot_options,
     snapshot_envelope,
-    snapshot_parts,
 )
 from kvstream.wire.broker_client import shown_url
 
@@ -270,17 +269,10 @@ class RedisSink(Sink):
         client = self._client
         if snapshots is None or client is None:
             return False
-        taken = snapshots.take(origin)
-        if taken is None:
+        encoded = await snapshots.encode(origin)
+        if encoded is None:
             return False
-        snap, position = taken
-        parts: list[bytes] = []
-        # A slice at a time, letting other tasks run between slices. Nothing changes
-        # the state meanwhile: only this sink's writer gives it batches, and it is here.
-        events = snapshots.keeper.snapshot_events(origin)
-        for part in snapshot_parts(snap, events):
-            parts.append(part)
-            await anyio.lowlevel.checkpoint()
+        snap, position, parts = encoded
         info = SnapshotInfo(
             origin=snap.origin,
             epoch=snap.epoch,

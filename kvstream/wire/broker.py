@@ -66,6 +66,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import orjson
 
 from kvstream.codecs.base import Codec
@@ -698,6 +699,22 @@ class SinkSnapshots:
             return None
         self._warned.discard(origin)
         return snap, self._positions[origin]
+
+    async def encode(self, origin: str) -> tuple[Snapshot, str, list[bytes]] | None:
+        """`take()` and the snapshot encoded as its parts, a slice at a time.
+
+        Other tasks run between slices. Nothing changes the state meanwhile: only
+        the sink's writer gives it batches, and the writer is the caller.
+        """
+        taken = self.take(origin)
+        if taken is None:
+            return None
+        snap, position = taken
+        parts: list[bytes] = []
+        for part in snapshot_parts(snap, self.keeper.snapshot_events(origin)):
+            parts.append(part)
+            await anyio.lowlevel.checkpoint()
+        return snap, position, parts
 
     def origins(self) -> dict[str, tuple[str, int]]:
         """`{origin: (epoch, last seq delivered)}`: what heartbeats announce."""

@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import IO, Any
 
 __all__ = ["CounterProcess", "main"]
@@ -200,6 +201,49 @@ class CounterProcess:
             raise TimeoutError("the counting subscriber did not answer")
         result: dict[str, Any] = json.loads(line)
         return result
+
+    def arm(self, timeout: float = 20.0) -> None:
+        """Reset the subscriber's counts; returns once it has done so."""
+        self.command("arm")
+        deadline = time.monotonic() + timeout
+        while self.poll_line(max(deadline - time.monotonic(), 0)) != "armed":
+            if time.monotonic() > deadline:
+                raise TimeoutError("the counting subscriber did not answer 'arm'")
+
+    def wait_ready(self, probe: Callable[[], None], timeout: float = 20.0) -> None:
+        """Send probes until the subscriber has one, let stragglers land, re-arm the counts."""
+        self.arm()
+        deadline = time.monotonic() + timeout
+        while True:
+            probe()
+            if self.poll_line(0.02) == "ready":
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError("the counting subscriber never received a probe")
+        time.sleep(0.2)
+        self.arm()
+
+    def counts_when(self, messages: int, timeout: float = 20.0) -> dict[str, Any]:
+        """The counts once `messages` arrived, or once they stop growing (or time runs out)."""
+        deadline = time.monotonic() + timeout
+        last: dict[str, Any] = {}
+        stable = 0
+        while time.monotonic() < deadline:
+            self.command("count")
+            line = self.poll_line(5.0)
+            while line in ("ready", "armed"):
+                line = self.poll_line(5.0)
+            if not line:
+                break
+            now: dict[str, Any] = json.loads(line)
+            if now.get("messages", 0) >= messages:
+                return now
+            stable = stable + 1 if now == last else 0
+            if stable >= 10:
+                return now
+            last = now
+            time.sleep(0.05)
+        return last
 
     def close(self) -> None:
         if self.proc.poll() is None:

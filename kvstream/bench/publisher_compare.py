@@ -18,7 +18,6 @@ process that only counts frames (`kvstream.bench.frame_counter`).
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -74,48 +73,6 @@ def _timed(fn: Callable[[int], object], arg: int) -> float:
     start = time.perf_counter()
     fn(arg)
     return time.perf_counter() - start
-
-
-# -- the counting subscriber -----------------------------------------------------------
-
-
-def _arm(counter: CounterProcess, timeout: float = 20.0) -> None:
-    counter.command("arm")
-    deadline = time.monotonic() + timeout
-    while counter.poll_line(max(deadline - time.monotonic(), 0)) != "armed":
-        if time.monotonic() > deadline:
-            raise TimeoutError("the counting subscriber did not answer 'arm'")
-
-
-def _wait_ready(counter: CounterProcess, probe: Callable[[], None], timeout: float = 20.0) -> None:
-    """Publish probes until the subscriber has one, let stragglers land, re-arm."""
-    _arm(counter)
-    deadline = time.monotonic() + timeout
-    while True:
-        probe()
-        if counter.poll_line(0.02) == "ready":
-            break
-        if time.monotonic() > deadline:
-            raise TimeoutError("the counting subscriber never received a probe")
-    time.sleep(0.2)
-    _arm(counter)
-
-
-def _received(counter: CounterProcess, messages: int, timeout: float = 20.0) -> int:
-    deadline = time.monotonic() + timeout
-    got = 0
-    while time.monotonic() < deadline:
-        counter.command("count")
-        line = counter.poll_line(5.0)
-        while line in ("ready", "armed"):
-            line = counter.poll_line(5.0)
-        if not line:
-            break
-        got = int(json.loads(line).get("messages", 0))
-        if got >= messages:
-            break
-        time.sleep(0.05)
-    return got
 
 
 # -- the two publishers, behind one small interface ----------------------------------------
@@ -179,7 +136,7 @@ def _tight_run(
 ) -> Sample:
     pub = make()
     try:
-        _wait_ready(counter, lambda: pub.publish(probe))
+        counter.wait_ready(lambda: pub.publish(probe))
         events = sum(len(b.events) for b in vbatches)
         pub.expect(events)
         publish = pub.publish
@@ -193,7 +150,7 @@ def _tight_run(
             add(clock() - start)
         pub.wait_sent()
         sample = meter.stop(events)
-        got = _received(counter, len(vbatches))
+        got = int(counter.counts_when(len(vbatches)).get("messages", 0))
     finally:
         pub.close()
     return Sample(
@@ -220,7 +177,7 @@ def _busy_run(
     pub = make() if make is not None else None
     try:
         if pub is not None:
-            _wait_ready(counter, lambda: pub.publish(probe))
+            counter.wait_ready(lambda: pub.publish(probe))
         publish = pub.publish if pub is not None else None
         start = time.perf_counter()
         for batch in vbatches:

@@ -23,7 +23,6 @@ what a run publishes, so the timed run measures a full ring that keeps wrapping.
 
 from __future__ import annotations
 
-import json
 import resource
 import socket
 import statistics
@@ -66,52 +65,6 @@ def free_tcp_port() -> int:
         return port
 
 
-def _arm(counter: CounterProcess, timeout: float = 20.0) -> None:
-    """Reset the subscriber's counts; returns once it has done so."""
-    counter.command("arm")
-    deadline = time.monotonic() + timeout
-    while counter.poll_line(max(deadline - time.monotonic(), 0)) != "armed":
-        if time.monotonic() > deadline:
-            raise TimeoutError("the counting subscriber did not answer 'arm'")
-
-
-def _wait_ready(counter: CounterProcess, probe: Callable[[], None], timeout: float = 20.0) -> None:
-    """Send probes until the subscriber has one, let stragglers land, re-arm the counts."""
-    _arm(counter)
-    deadline = time.monotonic() + timeout
-    while True:
-        probe()
-        if counter.poll_line(0.02) == "ready":
-            break
-        if time.monotonic() > deadline:
-            raise TimeoutError("the counting subscriber never received a probe")
-    time.sleep(0.2)
-    _arm(counter)
-
-
-def _counts(counter: CounterProcess, messages: int, timeout: float = 20.0) -> dict[str, Any]:
-    """The subscriber's counts once `messages` arrived (or they stop growing)."""
-    deadline = time.monotonic() + timeout
-    last: dict[str, Any] = {}
-    stable = 0
-    while time.monotonic() < deadline:
-        counter.command("count")
-        line = counter.poll_line(5.0)
-        while line in ("ready", "armed"):
-            line = counter.poll_line(5.0)
-        if not line:
-            break
-        now: dict[str, Any] = json.loads(line)
-        if now.get("messages", 0) >= messages:
-            return now
-        stable = stable + 1 if now == last else 0
-        if stable >= 10:
-            return now
-        last = now
-        time.sleep(0.05)
-    return last
-
-
 async def _baseline_run(
     endpoint: str, counter: CounterProcess, vbatches: list[Any], events: int, probe: Any
 ) -> Sample:
@@ -119,7 +72,7 @@ async def _baseline_run(
 
     pub = VllmStylePublisher(endpoint)
     try:
-        _wait_ready(counter, lambda: pub.publish(probe))
+        counter.wait_ready(lambda: pub.publish(probe))
         pub.expect(events)
         publish = pub.publish
         meter = Meter()
@@ -128,7 +81,7 @@ async def _baseline_run(
         if not pub.wait_sent(120.0):
             raise TimeoutError("the vLLM-style publisher did not send everything")
         sample = meter.stop(events)
-        got = _counts(counter, len(vbatches))
+        got = counter.counts_when(len(vbatches))
     finally:
         pub.close()
     return Sample(
@@ -156,12 +109,12 @@ def _floor_run(endpoint: str, counter: CounterProcess, vbatches: list[Any], even
         def probe() -> None:
             send((b"", b"\0" * 8, encode(vbatches[0])))
 
-        _wait_ready(counter, probe)
+        counter.wait_ready(probe)
         meter = Meter()
         for seq, batch in enumerate(vbatches):
             send((b"", seq.to_bytes(8, "big"), encode(batch)))
         sample = meter.stop(events)
-        got = _counts(counter, len(vbatches))
+        got = counter.counts_when(len(vbatches))
     finally:
         pub.close(linger=0)
         ctx.term()
@@ -201,7 +154,7 @@ async def _kvstream_run(
             s.emit(probe)
 
         # Probes go out on the loop: tick and let the writer run between polls.
-        _arm(counter)
+        counter.arm()
         deadline = time.monotonic() + 20
         while True:
             send_probe()
@@ -227,7 +180,7 @@ async def _kvstream_run(
                         break
             await anyio.sleep(0.2)
         await anyio.sleep(0.2)
-        _arm(counter)
+        counter.arm()
         before = sink.statistics().events_out
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         emit = s.emit
@@ -245,7 +198,7 @@ async def _kvstream_run(
         sample = meter.stop(events)
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         stats = sink.statistics()
-        got = _counts(counter, len(kchunks))
+        got = counter.counts_when(len(kchunks))
     return Sample(
         sample.wall,
         sample.cpu,

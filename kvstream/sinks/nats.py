@@ -438,18 +438,8 @@ class NatsSink(Sink):
                     self.snapshot_stream, seq=first, subject=part_subject
                 )
         except (nats.errors.Error, OSError) as exc:
-            snapshots.failed += 1
-            snapshots.schedule.taken(origin, snap.epoch)  # not again at once: when next due
-            log.warning(
-                "%s: snapshot of %s not published (tried again when the next is due): %s",
-                self.name,
-                origin,
-                nats_client.describe_error(exc),
-            )
-            return False
-        snapshots.schedule.taken(origin, snap.epoch)
-        snapshots.published += 1
-        return True
+            return snapshots.stored(origin, snap.epoch, nats_client.describe_error(exc))
+        return snapshots.stored(origin, snap.epoch)
 
     async def _beat(self, heartbeat: Heartbeat) -> None:
         client = self._client

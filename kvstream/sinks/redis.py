@@ -290,18 +290,8 @@ class RedisSink(Sink):
                 pipe.sadd(redis_snapshot_index(self.stream), origin.encode())
                 await pipe.execute()
         except (redis.exceptions.RedisError, OSError) as exc:
-            snapshots.failed += 1
-            snapshots.schedule.taken(origin, snap.epoch)  # not again at once: when next due
-            log.warning(
-                "%s: snapshot of %s not written (tried again when the next is due): %s",
-                self.name,
-                origin,
-                redis_client.describe_error(exc),
-            )
-            return False
-        snapshots.schedule.taken(origin, snap.epoch)
-        snapshots.published += 1
-        return True
+            return snapshots.stored(origin, snap.epoch, redis_client.describe_error(exc))
+        return snapshots.stored(origin, snap.epoch)
 
     async def _beat(self, heartbeat: Heartbeat) -> None:
         client = self._client

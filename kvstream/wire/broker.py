@@ -716,6 +716,24 @@ class SinkSnapshots:
             await anyio.lowlevel.checkpoint()
         return snap, position, parts
 
+    def stored(self, origin: str, epoch: str, failure: str | None = None) -> bool:
+        """Count a snapshot as stored, or as failed (logged); True when it was stored.
+
+        Either way the next one of `origin` is due by the schedule again, not at once.
+        """
+        self.schedule.taken(origin, epoch)
+        if failure is not None:
+            self.failed += 1
+            log.warning(
+                "%s: snapshot of %s not stored (tried again when the next is due): %s",
+                self.where,
+                origin,
+                failure,
+            )
+            return False
+        self.published += 1
+        return True
+
     def origins(self) -> dict[str, tuple[str, int]]:
         """`{origin: (epoch, last seq delivered)}`: what heartbeats announce."""
         out: dict[str, tuple[str, int]] = {}

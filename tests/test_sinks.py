@@ -214,6 +214,82 @@ async def test_file_sink_refuses_a_missing_folder_naming_the_path(tmp_path: Path
             pass
 
 
+async def test_file_sink_writes_a_regular_file_on_the_tick(tmp_path: Path) -> None:
+    # Nothing queued ahead and a regular file: the batch is on disk when offer() returns.
+    path = tmp_path / "events.jsonl"
+    async with FileSink(path) as sink:
+        for i in range(3):
+            assert sink.offer(batch(i))
+            assert JsonCodec().decode_lines(path.read_bytes()) == [batch(j) for j in range(i + 1)]
+        assert sink.batches_inline == 3
+        assert sink.statistics().batches_out == 3
+
+
+async def test_file_sink_inline_false_writes_from_the_thread_only(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    async with FileSink(path, inline=False) as sink:
+        sink.offer(batch(0))
+        assert path.read_bytes() == b""  # not yet: the worker thread writes it
+        await wait_until(lambda: sink.statistics().batches_out == 1)
+        assert sink.batches_inline == 0
+    assert JsonCodec().decode_lines(path.read_bytes()) == [batch(0)]
+
+
+async def test_a_slow_inline_write_sends_the_next_writes_to_the_thread(tmp_path: Path) -> None:
+    # A budget of 0 s makes every inline write "slow": the first is inline, then the
+    # cooldown sends the others to the worker thread, in order, none lost.
+    path = tmp_path / "events.jsonl"
+    async with FileSink(path, inline_budget=0.0, inline_cooldown=60.0) as sink:
+        for i in range(5):
+            sink.offer(batch(i))
+        await wait_until(lambda: sink.statistics().batches_out == 5)
+        assert sink.batches_inline == 1
+        assert sink.slow_inline_writes == 1
+    assert JsonCodec().decode_lines(path.read_bytes()) == [batch(j) for j in range(5)]
+
+
+async def test_file_sink_writes_a_fifo_from_the_thread(tmp_path: Path) -> None:
+    # A FIFO can block the writer (its reader is slow): never written on the loop.
+    import os
+
+    fifo = tmp_path / "events.fifo"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+
+    def read_all() -> None:
+        with open(fifo, "rb") as f:
+            got.append(f.read())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(anyio.to_thread.run_sync, read_all)
+        async with FileSink(fifo) as sink:
+            sink.offer(batch(0))
+            assert sink.batches_inline == 0
+            await wait_until(lambda: sink.statistics().batches_out == 1)
+    assert JsonCodec().decode_lines(got[0]) == [batch(0)]
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"inline": "yes"}, "inline"),
+        ({"inline_budget": -1}, "inline_budget"),
+        ({"inline_cooldown": "5"}, "inline_cooldown"),
+    ],
+)
+def test_file_sink_inline_options_are_checked(options: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        FileSink("x.jsonl", **options)
+
+
+def test_file_sink_url_takes_inline_false(tmp_path: Path) -> None:
+    from kvstream.config import open_sink
+
+    sink = open_sink(f"file:{tmp_path / 'x.jsonl'}?inline=false")
+    assert isinstance(sink, FileSink)
+    assert sink.inline is False
+
+
 def test_file_sink_needs_a_codec() -> None:
     with pytest.raises(ConfigError, match="codec"):
         FileSink("x.jsonl", codec=None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import shutil
 import statistics
 import tempfile
@@ -44,12 +45,22 @@ def _scratch_dir() -> str:
     return tempfile.gettempdir()
 
 
+def _faults() -> int:
+    """Minor page faults of this process so far (fresh memory touched)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _median_extra(samples: Sequence[Sample], key: str) -> float:
+    return statistics.median(float((x.extra or {}).get(key, 0)) for x in samples)
+
+
 def _codec_writing(path: str, prebuilt: Sequence[EventBatch], events: int) -> Sample:
     """The baseline: encode each batch and write it with one `os.write`."""
     encode = JsonCodec().encode
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o600)
     nbytes = 0
     try:
+        faults = _faults()
         meter = Meter()
         for batch in prebuilt:
             data = encode(batch)
@@ -57,7 +68,7 @@ def _codec_writing(path: str, prebuilt: Sequence[EventBatch], events: int) -> Sa
             while view:
                 view = view[os.write(fd, view) :]
             nbytes += len(data)
-        sample = meter.stop(events, nbytes)
+        sample = meter.stop(events, nbytes, faults_per_event=(_faults() - faults) / events)
     finally:
         os.close(fd)
     return sample
@@ -71,6 +82,7 @@ async def _pipeline(path: str, per_source: Sequence[Sequence[list[KVCacheEvent]]
     sink = FileSink(path, codec=JsonCodec())
     countdown = Countdown(len(per_source))
     async with Scheduler(sinks=[sink], origin=ORIGIN, epoch=EPOCH) as scheduler:
+        faults = _faults()
         meter = Meter()
         for i, source_chunks in enumerate(per_source):
             scheduler.add_source(free_source(source_chunks, countdown), name=f"source-{i}")
@@ -82,6 +94,9 @@ async def _pipeline(path: str, per_source: Sequence[Sequence[list[KVCacheEvent]]
             sink.statistics().bytes_out,
             ticks=ticks,
             events_per_batch=stats.events_sealed / max(stats.batches_sealed, 1),
+            faults_per_event=(_faults() - faults) / total,
+            batches_inline=sink.batches_inline,
+            batches=stats.batches_sealed,
         )
     return sample
 
@@ -120,8 +135,10 @@ async def bench_file(
                 a.events_per_s / b.events_per_s
                 for a, b in zip(samples["pipeline"], samples["codec"], strict=True)
             )
-            per_batch = statistics.median(
-                float((x.extra or {}).get("events_per_batch", 0)) for x in samples["pipeline"]
+            per_batch = _median_extra(samples["pipeline"], "events_per_batch")
+            inline = statistics.median(
+                (x.extra or {}).get("batches_inline", 0) / max((x.extra or {}).get("batches", 1), 1)
+                for x in samples["pipeline"]
             )
             result.rows.append(
                 Row(
@@ -131,6 +148,7 @@ async def bench_file(
                     base.events_per_s,
                     cpu_us_per_event=base.cpu_us_per_event,
                     mb_per_s=base.mb_per_s,
+                    note=f"{_median_extra(samples['codec'], 'faults_per_event'):.2f} faults/event",
                 )
             )
             result.rows.append(
@@ -143,7 +161,10 @@ async def bench_file(
                     ratio,
                     pipe.cpu_us_per_event,
                     mb_per_s=pipe.mb_per_s,
-                    note=f"{per_batch:.0f} events/batch",
+                    note=(
+                        f"{per_batch:.0f} events/batch; {inline:.0%} of batches written inline; "
+                        f"{_median_extra(samples['pipeline'], 'faults_per_event'):.2f} faults/event"
+                    ),
                 )
             )
             result.targets.append(

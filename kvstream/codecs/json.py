@@ -166,7 +166,10 @@ def _index_hook(value: Any) -> Any:
         raise TypeError(f"cannot encode {type(value).__name__} as JSON") from None
 
 
-_ENCODE: Final = msgspec.json.Encoder(enc_hook=_index_hook).encode
+_ENCODER: Final = msgspec.json.Encoder(enc_hook=_index_hook)
+_ENCODE: Final = _ENCODER.encode
+#: One line and its newline in one buffer (no copy to append the newline).
+_ENCODE_LINES: Final = _ENCODER.encode_lines
 
 
 def _raw(value: Any) -> msgspec.Raw:
@@ -376,7 +379,7 @@ class JsonCodec:
         line = (_DecimalLine if decimal else _Line)(
             batch.origin, batch.epoch, batch.seq, _ts(batch.ts), batch.data_parallel_rank, events
         )
-        return _ENCODE(line) + b"\n"
+        return _ENCODE_LINES((line,))
 
     def encode_screened(self, batch: EventBatch) -> tuple[bytes, tuple[Refusal, ...]]:
         """`(encode(batch), ())`: JSON lines carry every event."""

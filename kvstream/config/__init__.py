@@ -5,7 +5,8 @@ Sink URLs (every one also takes `?policy=block|drop_oldest|drop_newest`,
 
     -                         JSON lines on standard output
     file:PATH  file://PATH    JSON lines appended to PATH (a bare path works too);
-                              ?rotate_bytes=64MiB&rotate_seconds=3600&keep=10 rotate it
+                              ?rotate_bytes=64MiB&rotate_seconds=3600&keep=10 rotate it;
+                              ?inline=false never writes on the event loop
     memory:                   a MemorySink (tests, examples)
 
 and `tcp://HOST:PORT`, `unix:PATH`, `zmq+tcp://...`, `zmq+ipc://...`,
@@ -289,6 +290,8 @@ def _file_sink(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink
     }
     if "rotate_bytes" in opts:
         rotation["rotate_bytes"] = opts.pop_size("rotate_bytes", 0)
+    if "inline" in opts:
+        rotation["inline"] = opts.pop_bool("inline", True)
     try:
         return FileSink(parsed.path, **rotation, **common)
     except ConfigError as exc:

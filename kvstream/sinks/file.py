@@ -1,10 +1,21 @@
 """FileSink: JSON lines (or any codec's bytes) appended to a file, or stdout.
 
-Writes run in a worker thread, several queued batches per hop (at most 1024
-batches and 16 MiB: the base class bounds a hop), so a slow disk
-never blocks the event loop; every batch is handed to the OS before it counts
-as sent (the file is unbuffered: one `writev` per hop, straight from the
-encoded batches, never concatenated into a new buffer). A write that fails
+A batch is written inline, on the tick that sealed it, when nothing is queued
+ahead of it and the target is a regular file or `/dev/null`: one `write`
+into the page cache costs less than encoding the batch did, and it spares
+the batch a thread hop (a wake-up per batch, and encoded batches piling up in
+fresh memory while the thread waits for the GIL). An inline write that takes
+longer than `inline_budget` seconds (a disk under writeback pressure, a
+network filesystem) sends the writes of the next `inline_cooldown` seconds
+to the worker thread, twice as long after each further slow one (up to five
+minutes): a slow disk holds the event loop up for one write, and then ever
+more rarely; `inline=False` (URL `?inline=false`) never writes on the loop.
+Everything else (queued batches, standard output, FIFOs, devices) is
+written by the worker thread, several queued batches per
+hop (at most 1024 batches and 16 MiB: the base class bounds a hop). Every
+batch is handed to the OS before it counts as sent (the file is unbuffered:
+one `writev` per hop, straight from the encoded batches, never concatenated
+into a new buffer). A write that fails
 half-way (disk full) is rolled back by truncating to where it began, so the
 retry neither loses nor repeats a line.
 
@@ -17,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -31,9 +43,16 @@ from kvstream.events import EventBatch
 from kvstream.sinks.base import Sink
 from kvstream.sinks.rotation import RotationPolicy, Rotator
 
-__all__ = ["FileSink"]
+__all__ = ["DEFAULT_INLINE_BUDGET", "DEFAULT_INLINE_COOLDOWN", "FileSink"]
 
 log = logging.getLogger("kvstream.sinks")
+
+#: An inline write slower than this (seconds) sends writes to the worker thread.
+DEFAULT_INLINE_BUDGET: Final = 0.01
+#: For this long (seconds) after a slow inline write; doubled after each further
+#: slow one, up to `_MAX_COOLDOWN`, and back to this after a quick one.
+DEFAULT_INLINE_COOLDOWN: Final = 5.0
+_MAX_COOLDOWN: Final = 300.0
 
 
 class FileSink(Sink):
@@ -41,7 +60,10 @@ class FileSink(Sink):
 
     `rotate_bytes` (a size) and `rotate_seconds` rotate the file, `keep`
     bounds how many rotated files stay; `clock` (monotonic seconds) times
-    `rotate_seconds`.
+    `rotate_seconds`. `inline`: write on the tick when nothing is queued
+    (see the module doc); `inline_budget` / `inline_cooldown`: how slow an
+    inline write may be (seconds), and for how long a slower one sends the
+    writes to the worker thread.
     """
 
     max_coalesce = 1024
@@ -54,8 +76,17 @@ class FileSink(Sink):
         rotate_seconds: float | None = None,
         keep: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        inline: bool = True,
+        inline_budget: float = DEFAULT_INLINE_BUDGET,
+        inline_cooldown: float = DEFAULT_INLINE_COOLDOWN,
         **options: Any,
     ) -> None:
+        if type(inline) is not bool:
+            raise ConfigError(f"FileSink: inline: expected a bool, got {inline!r}")
+        timings = (("inline_budget", inline_budget), ("inline_cooldown", inline_cooldown))
+        for field, value in timings:
+            if type(value) not in (int, float) or not value >= 0:
+                raise ConfigError(f"FileSink: {field}: expected seconds >= 0, got {value!r}")
         options.setdefault("codec", JsonCodec())
         options.setdefault("name", f"file:{os.fspath(path)}")
         super().__init__(**options)
@@ -64,6 +95,16 @@ class FileSink(Sink):
         self.path = os.fspath(path)
         self._file: IO[bytes] | None = None
         self._limiter = anyio.CapacityLimiter(1)
+        self.inline = inline
+        self.inline_budget = float(inline_budget)
+        self.inline_cooldown = float(inline_cooldown)
+        #: Whether the open file takes inline writes (a regular file or /dev/null).
+        self._inline_target = False
+        #: Inline writes resume at this `time.perf_counter()` (after a slow one).
+        self._inline_after = 0.0
+        self._cooldown = self.inline_cooldown
+        #: Inline writes that were slower than the budget.
+        self.slow_inline_writes = 0
         policy = RotationPolicy(rotate_bytes, rotate_seconds, keep)
         if policy.rotates and self.path == "-":
             raise ConfigError(
@@ -94,6 +135,10 @@ class FileSink(Sink):
         self._end_torn_line(f)
         if self.rotation is not None:
             self.rotation.opened(f.tell())
+        mode = os.fstat(fd).st_mode
+        self._inline_target = self.inline and (
+            stat.S_ISREG(mode) or os.path.realpath(self.path) == os.devnull
+        )
         return f
 
     def _end_torn_line(self, f: IO[bytes]) -> None:
@@ -161,6 +206,33 @@ class FileSink(Sink):
             raise
         if self.rotation is not None:
             self.rotation.wrote()
+
+    def send_nowait(self, data: bytes, batch: EventBatch) -> bool:
+        """Write `batch` on the tick if the file takes inline writes (see the module doc)."""
+        if not self._inline_target or self._file is None:
+            return False
+        start = time.perf_counter()
+        if start < self._inline_after:
+            return False
+        rotation = self.rotation
+        if rotation is not None and rotation.due(self._file.tell(), len(data)):
+            return False  # renaming and pruning files: the worker thread does it
+        self._write((data,))  # an OSError leaves the batch to send(), which retries
+        took = time.perf_counter() - start
+        if took > self.inline_budget:
+            self.slow_inline_writes += 1
+            self._inline_after = start + took + self._cooldown
+            log.info(
+                "%s: a write took %.1f ms on the event loop; writing from the worker "
+                "thread for the next %.0f s",
+                self.name,
+                took * 1000,
+                self._cooldown,
+            )
+            self._cooldown = min(self._cooldown * 2, max(_MAX_COOLDOWN, self.inline_cooldown))
+        elif self._cooldown != self.inline_cooldown:
+            self._cooldown = self.inline_cooldown
+        return True
 
     async def send(self, data: bytes, batch: EventBatch) -> None:
         await anyio.to_thread.run_sync(self._write, (data,), limiter=self._limiter)

@@ -29,6 +29,19 @@ kvstream's full validation. An event that fails is dropped, counted
 (`statistics().events_refused`) and logged once per burst; `publish` does
 not raise for it, so a bad event never stops the engine.
 
+**What is checked on vLLM's wire.** When every sink is on vLLM's wire, a step
+made only of vLLM's own structs goes out as those structs, encoded as vLLM
+encodes them. `check="sample"` (the default) checks the type of every field
+of the step's first and last event: what a vLLM version with other field
+types (bytes hashes, numpy token ids) changes, it changes in every event, so
+the first step shows it, and that step is converted event by event, each bad
+event named and refused. A value msgspec cannot write anywhere in the step
+does the same. What the sample does not see (one wrongly typed but writable
+value in the middle of a step, which vLLM's code does not produce) goes out
+as vLLM's own publisher would send it, and consumers refuse that event.
+`check="all"` checks every field of every event, at about a fifth of the cost
+of encoding them.
+
 It never waits, except when `max_queue_size` steps are still queued (a full
 sink with policy `block`, or an engine that outruns the pipeline that long;
 vLLM's `publish` waits on its full queue the same way).
@@ -48,7 +61,7 @@ import math
 import weakref
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, Literal, NamedTuple
 
 import msgspec
 from msgspec.structs import force_setattr
@@ -332,6 +345,10 @@ def from_vllm_event(event: object) -> KVCacheEvent:
 
 # -- vLLM's own structs, straight to vLLM's wire ---------------------------------------------
 
+#: How much of a step of vLLM's structs is checked before it goes out as it is.
+StepCheck = Literal["sample", "all"]
+_STEP_CHECKS: Final = ("sample", "all")
+
 _SCALARS: Final = frozenset((str, int, float, bool))
 
 
@@ -471,17 +488,30 @@ class VllmWireCodec:
         self._encode = msgspec.msgpack.Encoder().encode
 
     def encode(self, batch: Any) -> bytes:
-        events = batch.events
-        if events and type(events[0]) not in _KV_TYPES:
-            return self._encode(_DirectBatch(batch.ts, events, batch.data_parallel_rank))
-        return self._inner.encode(batch)
+        return self.encode_screened(batch)[0]
 
     def encode_screened(self, batch: Any) -> tuple[bytes, tuple[Refusal, ...]]:
         events = batch.events
         if events and type(events[0]) not in _KV_TYPES:
-            # vLLM's own structs, checked by type on the loop: nothing to screen.
-            return self._encode(_DirectBatch(batch.ts, events, batch.data_parallel_rank)), ()
+            # vLLM's own structs, checked on the loop (see _StepConverter): as they are.
+            try:
+                return self._encode(_DirectBatch(batch.ts, events, batch.data_parallel_rank)), ()
+            except (TypeError, ValueError, OverflowError):
+                # A value msgspec cannot write (a numpy int, an object): convert the
+                # step event by event, so the others go and the bad one is named.
+                return self._converted(batch)
         return self._inner.encode_screened(batch)
+
+    def _converted(self, batch: Any) -> tuple[bytes, tuple[Refusal, ...]]:
+        kept: list[KVCacheEvent] = []
+        refused: list[Refusal] = []
+        for i, event in enumerate(batch.events):
+            try:
+                kept.append(from_vllm_event(event))
+            except InvalidEventError as exc:
+                refused.append(Refusal(i, type(event).__name__, str(exc)))
+        data, more = self._inner.encode_screened(batch.replace(events=kept))
+        return data, (*refused, *more)
 
     def decode(self, data: bytes) -> EventBatch:
         return self._inner.decode(data)
@@ -501,11 +531,12 @@ class _StepConverter:
     events.
     """
 
-    __slots__ = ("_burst", "_sinks", "_sinks_count", "direct", "events", "refused")
+    __slots__ = ("_burst", "_sinks", "_sinks_count", "check", "direct", "events", "refused")
 
-    def __init__(self) -> None:
+    def __init__(self, check: StepCheck = "sample") -> None:
         self.events = 0
         self.refused = 0
+        self.check: StepCheck = check
         self.direct = False
         self._sinks: Sequence[Any] = ()
         self._sinks_count = 0
@@ -517,20 +548,24 @@ class _StepConverter:
         self._sinks = sinks
         self._sinks_count = len(sinks)
 
-    @staticmethod
-    def _direct_ok(raw: list[Any]) -> bool:
-        """Whether every event of the step can go to vLLM's wire as it is."""
+    def _direct_ok(self, raw: list[Any]) -> bool:
+        """Whether the step can go to vLLM's wire as it is (see `EventPublisher`'s `check`)."""
+        if not raw:
+            return True
         checks = _DIRECT
         kinds = set(map(type, raw))
-        if len(kinds) == 1:  # the common step: one kind of event, checked in one pass
-            (kind,) = kinds
-            check = checks.get(kind)
-            if check is None:
-                check = checks[kind] = _direct_for(kind)
-            return all(map(check, raw))
         for kind in kinds:
             if kind not in checks:
                 checks[kind] = _direct_for(kind)
+            if checks[kind] is _never:  # kvstream's events, or not vLLM's: convert
+                return False
+        if self.check == "sample":
+            # Every event is one of vLLM's structs; the fields of the first and the
+            # last are checked (a wrong type from a vLLM version skew is in every one).
+            first, last = raw[0], raw[-1]
+            return checks[type(first)](first) and checks[type(last)](last)
+        if len(kinds) == 1:  # the common step: one kind of event, checked in one pass
+            return all(map(checks[type(raw[0])], raw))
         return all(checks[type(event)](event) for event in raw)
 
     def __call__(self, raw: list[Any]) -> list[KVCacheEvent]:
@@ -563,7 +598,9 @@ class EventPublisher:
     `file:kv.jsonl`, ...). `origin` names the engine (default: the host
     name); `data_parallel_rank` goes on every batch that carries none (vLLM's
     default, 0). `max_queue_size` bounds the steps queued between the engine
-    and the pipeline (vLLM's `max_queue_size`).
+    and the pipeline (vLLM's `max_queue_size`). `check`: `"sample"` or
+    `"all"`, how much of a step of vLLM's own structs is checked before it
+    goes out on vLLM's wire as it is (see the module doc).
     """
 
     def __init__(
@@ -574,10 +611,15 @@ class EventPublisher:
         data_parallel_rank: int = 0,
         close_timeout: float = 5.0,
         max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
+        check: StepCheck = "sample",
         config: object = None,
     ) -> None:
         from kvstream.config import open_sink
 
+        if check not in _STEP_CHECKS:
+            raise ConfigError(
+                f"EventPublisher.check: expected one of {', '.join(_STEP_CHECKS)}, got {check!r}"
+            )
         if type(data_parallel_rank) is not int or data_parallel_rank < 0:
             raise ConfigError(
                 f"EventPublisher.data_parallel_rank: expected an int >= 0, "
@@ -597,7 +639,7 @@ class EventPublisher:
         )
         self.data_parallel_rank = data_parallel_rank
         self._config = config
-        self._converter = _StepConverter()
+        self._converter = _StepConverter(check)
         if built and all(isinstance(sink.codec, VllmWireCodec) for sink in built):
             self._converter.go_direct(self.scheduler._sinks)
         self._runner = LoopThread(

@@ -726,5 +726,5 @@ async def test_any_sink_counts_what_a_strict_codec_refuses(
         stats = sink.statistics()
         assert stats.batches_out == 3
         assert stats.events_refused == 3  # left out, never silently
-    warnings = [r for r in caplog.records if "strict profile refused" in r.getMessage()]
+    warnings = [r for r in caplog.records if "codec refused" in r.getMessage()]
     assert len(warnings) == 2  # once per burst, per sink

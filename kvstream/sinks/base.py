@@ -492,13 +492,16 @@ class Sink(ABC):
     # -- the writer ---------------------------------------------------------------
 
     def _count_refused(self, batch: EventBatch, refused: tuple[Refusal, ...]) -> None:
-        """A strict codec left events out of this batch: count them, log once per burst."""
+        """The codec left events out of this batch: count them, log once per burst.
+
+        (A strict profile's refusals, or events the codec cannot write.)
+        """
         self._events_refused += len(refused)
         if not self._refuse_burst:
             self._refuse_burst = True
             first = refused[0]
             log.warning(
-                "%s: the codec's strict profile refused %d event(s) of %s/%s seq %d "
+                "%s: the codec refused %d event(s) of %s/%s seq %d "
                 "(first: %s); the batch is sent without them",
                 self.name,
                 len(refused),

@@ -553,7 +553,8 @@ class _StepConverter:
         if not raw:
             return True
         checks = _DIRECT
-        kinds = set(map(type, raw))
+        first, last = raw[0], raw[-1]
+        kinds = (type(first),) if first is last else set(map(type, raw))
         for kind in kinds:
             if kind not in checks:
                 checks[kind] = _direct_for(kind)
@@ -562,7 +563,8 @@ class _StepConverter:
         if self.check == "sample":
             # Every event is one of vLLM's structs; the fields of the first and the
             # last are checked (a wrong type from a vLLM version skew is in every one).
-            first, last = raw[0], raw[-1]
+            if first is last:
+                return checks[type(first)](first)
             return checks[type(first)](first) and checks[type(last)](last)
         if len(kinds) == 1:  # the common step: one kind of event, checked in one pass
             return all(map(checks[type(raw[0])], raw))

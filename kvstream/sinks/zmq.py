@@ -103,6 +103,8 @@ DEFAULT_MAX_REPLAY_CLIENTS: Final = 64
 #: Frames sent to one reply client before the others get a turn.
 _REPLY_BUDGET: Final = 64
 _BACKOFF_MIN: Final = 0.001
+#: Sequence numbers below this are packed inline (the end marker's value and above raise).
+_SEQ_END: Final = (1 << 64) - 1
 #: How often the subscription and replay readers look at their sockets when
 #: the descriptor stays quiet (a send on the tick can consume its signal).
 _WATCH_INTERVAL: Final = 0.02
@@ -262,6 +264,9 @@ class ZmqSink(Sink):
         self.linger = float(linger)
         self._per_origin = model is not None or "{origin}" in topic
         self._topics: dict[str, bytes | None] = {}
+        # The topic of the origin of the last batch sent (the hot path's cache).
+        self._last_origin: str | None = None
+        self._last_topic = b""
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._own_ctx = True
         self._pub: zmq.Socket[bytes] | None = None
@@ -401,18 +406,31 @@ class ZmqSink(Sink):
         return topic
 
     def send_nowait(self, data: bytes, batch: EventBatch) -> bool:
-        """Publish now if every subscriber's pipe has room (on the tick; see Sink)."""
+        """Publish now if every subscriber's pipe has room (on the tick; see Sink).
+
+        The hot path of every batch, written out: `send()` is the same steps
+        with waiting, through the helpers.
+        """
         pub = self._pub
         if pub is None:
             return False  # send() reports it
-        topic = self._topic_for(batch.origin)
-        if topic is None:
-            self._unroutable += 1
-            self.discard(batch, f"no topic for origin {batch.origin!r}")
-            return True
-        seq_frame = pack_seq(batch.seq)
+        origin = batch.origin
+        topic: bytes | None
+        if origin is self._last_origin:  # the common case: one origin, its topic known
+            topic = self._last_topic
+        else:
+            topic = self._topic_for(origin)
+            if topic is None:
+                self._unroutable += 1
+                self.discard(batch, f"no topic for origin {origin!r}")
+                return True
+            self._last_origin, self._last_topic = origin, topic
+        seq = batch.seq
+        seq_frame = seq.to_bytes(8, "big") if seq < _SEQ_END else pack_seq(seq)  # raises
+        send = _SEND_FRAME
         try:
-            _send_now(pub, live_frames(topic, seq_frame, data))
+            # A ZMQ message is atomic: once its first frame is taken, so are the others.
+            send(pub, topic, _MORE_NOW)
         except zmq.Again:
             # XPUB_NODROP: some subscriber's pipe is at its high-water mark.
             self._pipe_full += 1
@@ -421,7 +439,13 @@ class ZmqSink(Sink):
             self.discard(batch, "a subscriber's pipe is full (XPUB high-water mark)")
         except zmq.ZMQError as exc:
             raise TransportError(f"{self.name}: cannot publish: {exc}") from exc
-        self._keep(batch.seq, topic, seq_frame, data)
+        else:
+            send(pub, seq_frame, _MORE_NOW)
+            send(pub, data, _NOW)
+        # Sent or discarded, the batch enters the ring: a consumer that sees the gap replays it.
+        if self._router is not None:
+            cost = held_bytes(len(data)) + _ENTRY_OVERHEAD
+            self._ring.append(_Entry(seq, topic, seq_frame, data), cost)
         return True
 
     async def send(self, data: bytes, batch: EventBatch) -> None:

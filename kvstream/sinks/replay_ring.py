@@ -105,6 +105,29 @@ class ReplayRing(Generic[T]):
             return self.end_offset
         return self._offsets[max(i, self._head)]
 
+    def push(self, item: T, cost: int) -> None:
+        """`append()` for an owner that does not look at what was evicted (no list made)."""
+        items = self._items
+        offsets = self._offsets
+        items.append(item)
+        offsets.append(self.end_offset)
+        self.end_offset += cost
+        self.bytes += cost
+        head = self._head
+        if self.bytes > self.max_bytes or len(items) - head > self.max_items:
+            while len(items) - head > 1 and (
+                self.bytes > self.max_bytes or len(items) - head > self.max_items
+            ):
+                self.bytes -= offsets[head + 1] - offsets[head]  # an item costs up to the next
+                items[head] = None
+                head += 1
+            if head >= 1024 and head * 2 >= len(items):
+                del items[:head]
+                del offsets[:head]
+                self._base += head
+                head = 0
+            self._head = head
+
     def append(self, item: T, cost: int) -> list[tuple[int, T]]:
         """Add `item` costing `cost` bytes; return `(position, item)` of those evicted.
 

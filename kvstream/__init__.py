@@ -3,7 +3,7 @@
 This module only re-exports the public API; see the submodules for the code.
 """
 
-from importlib.metadata import PackageNotFoundError, version
+from importlib import metadata as _metadata
 
 from kvstream.codecs import Codec, JsonCodec, MsgpackCodec
 from kvstream.config import subscribe
@@ -39,8 +39,8 @@ from kvstream.sources import SourceHandle, SourceStatistics, from_take_events
 from kvstream.threadsafe import ThreadsafeHandle, run_in_thread
 
 try:
-    __version__ = version("kvstream-events")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = _metadata.version("kvstream-events")
+except _metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 __all__ = [

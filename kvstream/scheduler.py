@@ -497,19 +497,7 @@ class Scheduler:
         """
         if self._tg is None or self._closed:  # _running(), inline: the hot path
             raise self._refusal("tick")
-        # _tick()'s body, inline (one coroutine per tick, not two).
-        self._ticks += 1
-        batches = self._seal()
-        if self._at_barrier:
-            self._run_barrier_callbacks()
-        if not batches:
-            if self._backlog and not self._dispatching:
-                await self._wait_dispatched(self._tickets)
-            return None
-        if not self._dispatch_now(batches):
-            await self._wait_dispatched(self._tickets)
-        own = batches[0]
-        return own if own.origin == self.origin else None
+        return await self._tick()
 
     def _running(self) -> bool:
         return self._tg is not None and not self._closed

@@ -107,47 +107,39 @@ class ReplayRing(Generic[T]):
 
     def push(self, item: T, cost: int) -> None:
         """`append()` for an owner that does not look at what was evicted (no list made)."""
-        items = self._items
-        offsets = self._offsets
-        items.append(item)
-        offsets.append(self.end_offset)
+        self._items.append(item)
+        self._offsets.append(self.end_offset)
         self.end_offset += cost
         self.bytes += cost
-        head = self._head
-        if self.bytes > self.max_bytes or len(items) - head > self.max_items:
-            while len(items) - head > 1 and (
-                self.bytes > self.max_bytes or len(items) - head > self.max_items
-            ):
-                self.bytes -= offsets[head + 1] - offsets[head]  # an item costs up to the next
-                items[head] = None
-                head += 1
-            if head >= 1024 and head * 2 >= len(items):
-                del items[:head]
-                del offsets[:head]
-                self._base += head
-                head = 0
-            self._head = head
+        if self.bytes > self.max_bytes or len(self._items) - self._head > self.max_items:
+            self._evict(None)
 
     def append(self, item: T, cost: int) -> list[tuple[int, T]]:
         """Add `item` costing `cost` bytes; return `(position, item)` of those evicted.
 
         The item just added is never evicted by its own append.
         """
-        items = self._items
-        offsets = self._offsets
-        items.append(item)
-        offsets.append(self.end_offset)
+        self._items.append(item)
+        self._offsets.append(self.end_offset)
         self.end_offset += cost
         self.bytes += cost
         evicted: list[tuple[int, T]] = []
+        self._evict(evicted)
+        return evicted
+
+    def _evict(self, out: list[tuple[int, T]] | None) -> None:
+        """Drop the oldest items while over a bound (never the newest); `out` gets them."""
+        items = self._items
+        offsets = self._offsets
         head = self._head
         while len(items) - head > 1 and (
             self.bytes > self.max_bytes or len(items) - head > self.max_items
         ):
             self.bytes -= offsets[head + 1] - offsets[head]  # an item costs up to the next
-            old = items[head]
-            assert old is not None
-            evicted.append((self._base + head, old))
+            if out is not None:
+                old = items[head]
+                assert old is not None
+                out.append((self._base + head, old))
             items[head] = None
             head += 1
         if head >= 1024 and head * 2 >= len(items):
@@ -156,4 +148,3 @@ class ReplayRing(Generic[T]):
             self._base += head
             head = 0
         self._head = head
-        return evicted

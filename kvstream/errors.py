@@ -21,6 +21,9 @@ Messages name the field, the value and what was expected. Foreign errors
 
 from __future__ import annotations
 
+import reprlib
+from typing import Final
+
 __all__ = [
     "ClosedError",
     "ConfigError",
@@ -30,6 +33,7 @@ __all__ = [
     "KVStreamError",
     "MissingDependencyError",
     "TransportError",
+    "shorten",
 ]
 
 
@@ -71,3 +75,19 @@ class ClosedError(KVStreamError, RuntimeError):
 
 class TransportError(KVStreamError, OSError):
     """A sink or source cannot reach its peer (connection refused, auth, TLS, ...)."""
+
+
+# Error messages show the bad value, shortened: a plain repr() of a deeply nested
+# value (as a decoder can be handed) would raise RecursionError instead.
+_REPR: Final = reprlib.Repr()
+_REPR.maxlevel = 3
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 80
+
+
+def shorten(value: object) -> str:
+    """A repr of `value` short enough for an error message, whatever its depth.
+
+    The one rule for showing a bad value in an error or a log line.
+    """
+    shown = _REPR.repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."

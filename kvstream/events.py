@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import operator
-import reprlib
 from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Final, TypeAlias
@@ -23,7 +22,7 @@ from typing import Any, ClassVar, Final, TypeAlias
 import msgspec
 from msgspec.structs import force_setattr
 
-from kvstream.errors import InvalidEventError, InvalidEventTypeError
+from kvstream.errors import InvalidEventError, InvalidEventTypeError, shorten
 
 __all__ = [
     "MEDIA",
@@ -53,18 +52,6 @@ WIRE_KEY: Final = "wire"
 _HASH_MIN: Final = -(2**63)
 _HASH_LIMIT: Final = 2**64
 _MAX_DEPTH: Final = 32
-
-# Error messages show the bad value, shortened: a plain repr() of a deeply nested
-# value (as a decoder can be handed) would raise RecursionError instead.
-_REPR: Final = reprlib.Repr()
-_REPR.maxlevel = 3
-_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 80
-
-
-def shorten(value: object) -> str:
-    """A repr of `value` short enough for an error message, whatever its depth."""
-    shown = _REPR.repr(value)
-    return shown if len(shown) <= 80 else shown[:77] + "..."
 
 
 def _fail_type(event: str, field: str, value: object, expected: str) -> InvalidEventTypeError:

@@ -67,7 +67,7 @@ import msgspec
 from msgspec.structs import force_setattr
 
 from kvstream.codecs.base import Refusal
-from kvstream.errors import ConfigError, InvalidEventError, InvalidEventTypeError
+from kvstream.errors import ConfigError, InvalidEventError, InvalidEventTypeError, shorten
 from kvstream.events import (
     EVENT_TYPES,
     AllBlocksCleared,
@@ -75,7 +75,6 @@ from kvstream.events import (
     BlockStored,
     EventBatch,
     KVCacheEvent,
-    shorten,
 )
 from kvstream.scheduler import Scheduler
 from kvstream.sinks.base import Sink

@@ -38,14 +38,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Final, Literal, TypeAlias
 
-from kvstream.errors import ConfigError, DecodeError
+from kvstream.errors import ConfigError, DecodeError, shorten
 from kvstream.events import (
     WIRE_KEY,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
-    shorten,
     with_wire,
 )
 from kvstream.media import MediaPolicy, canonical_medium

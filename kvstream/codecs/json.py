@@ -28,14 +28,13 @@ import orjson
 
 from kvstream.codecs.base import Refusal
 from kvstream.codecs.refusals import RefusalLog
-from kvstream.errors import DecodeError, KVStreamError
+from kvstream.errors import DecodeError, KVStreamError, shorten
 from kvstream.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
     KVCacheEvent,
-    shorten,
 )
 
 __all__ = ["JsonCodec"]

@@ -63,7 +63,7 @@ from kvstream.codecs import dialects
 from kvstream.codecs.base import Refusal
 from kvstream.codecs.dialects import DIALECTS, Dialect, check_dialect, read_event
 from kvstream.codecs.refusals import RefusalLog
-from kvstream.errors import ConfigError, DecodeError, KVStreamError
+from kvstream.errors import ConfigError, DecodeError, KVStreamError, shorten
 from kvstream.events import (
     AllBlocksCleared,
     BlockHash,
@@ -369,11 +369,6 @@ _BAD_INPUT: Final = (
 )
 
 
-def _short(value: object) -> str:
-    shown = repr(value)
-    return shown if len(shown) <= 80 else shown[:77] + "..."
-
-
 def _event_type_of(raw: Any) -> str:
     """The tag a refused event claimed, for the refusal record (`?` when none)."""
     tag = raw.get("type") if type(raw) is dict else raw[0] if type(raw) is list and raw else None
@@ -394,12 +389,12 @@ def _batch_parts(obj: Any) -> tuple[Any, Any, Any]:
     if type(obj) is dict:
         unknown = obj.keys() - {"ts", "events", "data_parallel_rank"}
         if unknown:
-            raise DecodeError(f"batch: unknown key(s) {_short(sorted(map(str, unknown)))}")
+            raise DecodeError(f"batch: unknown key(s) {shorten(sorted(map(str, unknown)))}")
         if "ts" not in obj or "events" not in obj:
             raise DecodeError("batch: a map batch needs the keys 'ts' and 'events'")
         return obj["ts"], obj["events"], obj.get("data_parallel_rank")
     raise DecodeError(
-        f"batch: expected an array [ts, events, data_parallel_rank], got {_short(obj)}"
+        f"batch: expected an array [ts, events, data_parallel_rank], got {shorten(obj)}"
     )
 
 
@@ -718,13 +713,13 @@ class MsgpackCodec:
         if type(ts) is int and not isinstance(ts, bool):
             ts = float(ts)
         if type(ts) is not float or not math.isfinite(ts):
-            raise DecodeError(f"batch.ts: expected a finite float (seconds), got {_short(ts)}")
+            raise DecodeError(f"batch.ts: expected a finite float (seconds), got {shorten(ts)}")
         if rank is not None and type(rank) is not int:
             raise DecodeError(
-                f"batch.data_parallel_rank: expected an int or nil, got {_short(rank)}"
+                f"batch.data_parallel_rank: expected an int or nil, got {shorten(rank)}"
             )
         if type(raw_events) is not list:
-            raise DecodeError(f"batch.events: expected an array, got {_short(raw_events)}")
+            raise DecodeError(f"batch.events: expected an array, got {shorten(raw_events)}")
         events: list[KVCacheEvent] = []
         refused: list[Refusal] = []
         dialect = self.dialect

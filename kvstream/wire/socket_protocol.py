@@ -79,7 +79,7 @@ import orjson
 
 from kvstream.codecs.base import Codec
 from kvstream.codecs.json import JsonCodec
-from kvstream.errors import ConfigError, DecodeError, MissingDependencyError
+from kvstream.errors import ConfigError, DecodeError, MissingDependencyError, shorten
 from kvstream.events import EventBatch, KVCacheEvent
 
 __all__ = [
@@ -194,7 +194,7 @@ def _check_name(value: object, where: str) -> str:
     if type(value) is not str or not value or len(value) > _MAX_NAME:
         raise ProtocolError(
             f"hello.{where}: expected a non-empty string of at most {_MAX_NAME} characters, "
-            f"got {_short(value)}",
+            f"got {shorten(value)}",
             "bad_hello",
         )
     return value
@@ -217,7 +217,7 @@ def _per_origin(raw: Any, field: str, check: Callable[[Any, str], _V]) -> _V | d
 def _check_seq(value: object, where: str) -> int:
     if type(value) is not int or not 0 <= value < _SEQ_LIMIT:
         raise ProtocolError(
-            f"hello.{where}: expected an integer in [0, 2**63), got {_short(value)}", "bad_hello"
+            f"hello.{where}: expected an integer in [0, 2**63), got {shorten(value)}", "bad_hello"
         )
     return value
 
@@ -245,7 +245,7 @@ def parse_hello(line: bytes) -> Hello:
     version = obj.get("version", PROTOCOL_VERSION)
     if type(version) is not int or version < 1:
         raise ProtocolError(
-            f"hello.version: expected an integer >= 1, got {_short(version)}", "bad_hello"
+            f"hello.version: expected an integer >= 1, got {shorten(version)}", "bad_hello"
         )
     if version > PROTOCOL_VERSION:
         raise ProtocolError(
@@ -350,7 +350,7 @@ def _opt_seq(value: object, where: str) -> int | None:
     if value is None:
         return None
     if type(value) is not int or value < 0:
-        raise ProtocolError(f"{where}: expected an integer >= 0 or null, got {_short(value)}")
+        raise ProtocolError(f"{where}: expected an integer >= 0 or null, got {shorten(value)}")
     return value
 
 
@@ -361,20 +361,20 @@ def parse_welcome(obj: Mapping[str, Any]) -> Welcome:
         code = obj.get("code")
         raise ProtocolError(f"the sink refused: {obj.get('message')!s:.300}", str(code))
     if kind != "welcome":
-        raise ProtocolError(f"expected a welcome line first, got type {_short(kind)}")
+        raise ProtocolError(f"expected a welcome line first, got type {shorten(kind)}")
     version = obj.get("version")
     if type(version) is not int or version < 1:
-        raise ProtocolError(f"welcome.version: expected an integer >= 1, got {_short(version)}")
+        raise ProtocolError(f"welcome.version: expected an integer >= 1, got {shorten(version)}")
     codec = obj.get("codec")
     framing = obj.get("framing")
     if type(codec) is not str or framing not in ("lines", "frames"):
         raise ProtocolError(
-            f"welcome: expected codec (str) and framing lines|frames, got {_short(codec)}, "
-            f"{_short(framing)}"
+            f"welcome: expected codec (str) and framing lines|frames, got {shorten(codec)}, "
+            f"{shorten(framing)}"
         )
     raw = obj.get("origins", {})
     if type(raw) is not dict:
-        raise ProtocolError(f"welcome.origins: expected an object, got {_short(raw)}")
+        raise ProtocolError(f"welcome.origins: expected an object, got {shorten(raw)}")
     origins: dict[str, OriginInfo] = {}
     for name, info in raw.items():
         if type(info) is not dict or type(info.get("epoch")) is not str:
@@ -616,7 +616,7 @@ class MessageReader:
             return BatchMessage(self._batch(obj, payload))
         kind = obj.get("type")
         if type(kind) is not str:
-            raise DecodeError(f"message: no seq and no type ({_short(obj)})")
+            raise DecodeError(f"message: no seq and no type ({shorten(obj)})")
         if kind == "snapshot":
             return self._snapshot(obj, payload)
         return ControlMessage(kind, obj)
@@ -644,7 +644,7 @@ class MessageReader:
             or type(first) is not int
             or type(part) is not int
         ):
-            raise DecodeError(f"snapshot: bad header {_short(obj)}")
+            raise DecodeError(f"snapshot: bad header {shorten(obj)}")
         codec = self.codec
         if codec is None:
             raise ProtocolError("a snapshot arrived before the welcome")
@@ -671,12 +671,7 @@ def _decode_payload(
     if type(origin) is not str or type(epoch) is not str or type(seq) is not int or seq < 0:
         raise DecodeError(
             f"frame header: expected origin (str), epoch (str), seq (int >= 0), got "
-            f"{_short(origin)}, {_short(epoch)}, {_short(seq)}"
+            f"{shorten(origin)}, {shorten(epoch)}, {shorten(seq)}"
         )
     # The codec checks the name where its bytes carry one (the Codec contract).
     return codec.decode_keyed(payload, seq=seq, origin=origin, epoch=epoch)
-
-
-def _short(value: object) -> str:
-    shown = repr(value)
-    return shown if len(shown) <= 80 else shown[:77] + "..."

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, NamedTuple, TypeAlias, get_args
 
-from kvstream.errors import ConfigError, DecodeError
+from kvstream.errors import ConfigError, DecodeError, shorten
 
 __all__ = [
     "DEFAULT_BUFFER_STEPS",
@@ -71,11 +71,6 @@ _END_VALUE: Final = _SEQ_LIMIT - 1
 
 ReplayLayout: TypeAlias = Literal["topic", "legacy"]
 REPLAY_LAYOUTS: Final[tuple[str, ...]] = get_args(ReplayLayout)
-
-
-def _short(value: object) -> str:
-    shown = repr(value)
-    return shown if len(shown) <= 60 else shown[:57] + "..."
 
 
 # -- sequence numbers ---------------------------------------------------------------------
@@ -209,7 +204,7 @@ def parse_llm_d_topic(topic: str) -> tuple[str, str]:
     """`(pod_id, model)` of an llm-d topic; `DecodeError` unless it has that form."""
     parts = topic.split("@")
     if len(parts) != 3 or parts[0] != "kv" or not parts[1] or not parts[2]:
-        raise DecodeError(f"topic: expected kv@<pod-id>@<model>, got {_short(topic)}")
+        raise DecodeError(f"topic: expected kv@<pod-id>@<model>, got {shorten(topic)}")
     return parts[1], parts[2]
 
 
@@ -343,7 +338,7 @@ def parse_kv_events_config(config: str | Mapping[str, Any]) -> KVEventsConfig:
     else:
         loaded = config
     if not isinstance(loaded, Mapping):
-        raise ConfigError(f"--kv-events-config: expected a JSON object, got {_short(loaded)}")
+        raise ConfigError(f"--kv-events-config: expected a JSON object, got {shorten(loaded)}")
     values: dict[str, Any] = {}
     for key, value in loaded.items():
         types = _CONFIG_TYPES.get(key)
@@ -355,7 +350,7 @@ def parse_kv_events_config(config: str | Mapping[str, Any]) -> KVEventsConfig:
         if type(value) not in types:
             expected = " or ".join("null" if t is type(None) else t.__name__ for t in types)
             raise ConfigError(
-                f"--kv-events-config: {key}: expected {expected}, got {_short(value)}"
+                f"--kv-events-config: {key}: expected {expected}, got {shorten(value)}"
             )
         values[key] = value
     publisher = values.get("publisher", "zmq")

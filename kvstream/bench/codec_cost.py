@@ -30,7 +30,7 @@ import anyio
 from kvstream.bench.results import Result, Row, Target
 from kvstream.bench.sizes import Sizes
 from kvstream.bench.workload import EPOCH, ORIGIN, batches, chunks, event_pool
-from kvstream.codecs.json import JsonCodec, _default
+from kvstream.codecs.json import JsonCodec, json_default
 from kvstream.codecs.msgpack import MsgpackCodec
 from kvstream.events import EventBatch, KVCacheEvent
 from kvstream.scheduler import Scheduler
@@ -87,7 +87,7 @@ async def bench_codecs(
 
         def run_orjson(d: list[dict[str, Any]] = dicts) -> None:
             for x in d:
-                dumps(x, default=_default, option=option)
+                dumps(x, default=json_default, option=option)
 
         def run_json(p: list[EventBatch] = prebuilt) -> None:
             for x in p:

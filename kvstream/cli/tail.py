@@ -24,7 +24,7 @@ import orjson
 
 from kvstream.cli.longrun import add_metrics_option, metrics_token, open_metrics
 from kvstream.cli.upstream import bind_rule, open_upstream, refuse_foreign_file
-from kvstream.codecs.json import JsonCodec
+from kvstream.codecs.json import JsonCodec, json_default
 from kvstream.config import ParsedURL, parse_url, subscribe
 from kvstream.consumers.base import Gap, Subscriber
 from kvstream.consumers.socket import SocketSubscriber
@@ -209,13 +209,7 @@ class Printer:
 
 
 def _json(obj: Any) -> str:
-    return orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE, default=_hex).decode()
-
-
-def _hex(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return value.hex()
-    raise TypeError(f"cannot encode {type(value).__name__} as JSON")
+    return orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE, default=json_default).decode()
 
 
 class TailStatistics(NamedTuple):

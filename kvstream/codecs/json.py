@@ -37,7 +37,7 @@ from kvstream.events import (
     KVCacheEvent,
 )
 
-__all__ = ["JsonCodec"]
+__all__ = ["JsonCodec", "json_default"]
 
 _OPTIONAL_STORED: Final = (
     "extra_keys",
@@ -52,9 +52,13 @@ _BATCH_KEYS: Final = frozenset(
 )
 
 
-def _default(value: Any) -> Any:
-    # orjson calls this only for what it cannot write itself. In a hash field a
-    # bytes value is a hex string; bytes elsewhere were wrapped before encoding.
+def json_default(value: Any) -> Any:
+    """orjson's `default=` for kvstream's values: bytes as hex, integer-likes as ints.
+
+    The one rule wherever kvstream writes JSON (the codec, the socket protocol's
+    headers, `kvstream tail`). orjson calls it only for what it cannot write
+    itself; in the codec, bytes are a hash (other bytes were wrapped before).
+    """
     if type(value) is bytes:
         return value.hex()
     try:
@@ -160,7 +164,7 @@ _INT: Final = frozenset((int,))
 
 def _index_hook(value: Any) -> Any:
     try:
-        return operator.index(value)  # numpy integers and the like, as _default does
+        return operator.index(value)  # numpy integers and the like, as json_default does
     except TypeError:
         raise TypeError(f"cannot encode {type(value).__name__} as JSON") from None
 
@@ -172,7 +176,7 @@ _ENCODE_LINES: Final = _ENCODER.encode_lines
 
 
 def _raw(value: Any) -> msgspec.Raw:
-    return msgspec.Raw(orjson.dumps(value, default=_default))
+    return msgspec.Raw(orjson.dumps(value, default=json_default))
 
 
 def _ts(ts: float) -> Any:

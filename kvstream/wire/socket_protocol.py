@@ -78,7 +78,7 @@ import msgspec
 import orjson
 
 from kvstream.codecs.base import Codec
-from kvstream.codecs.json import JsonCodec
+from kvstream.codecs.json import JsonCodec, json_default
 from kvstream.errors import ConfigError, DecodeError, MissingDependencyError, shorten
 from kvstream.events import EventBatch, KVCacheEvent
 
@@ -472,18 +472,10 @@ def snapshot_messages(
             body = codec.batch_to_dict(pseudo)
             del body["seq"], body["origin"], body["epoch"]
             header.update(body)
-            out.append(
-                orjson.dumps(header, option=orjson.OPT_APPEND_NEWLINE, default=_json_default)
-            )
+            out.append(orjson.dumps(header, option=orjson.OPT_APPEND_NEWLINE, default=json_default))
         else:
             out.append(_frame(header, codec.encode(pseudo)))
     return out
-
-
-def _json_default(value: Any) -> Any:
-    if type(value) is bytes:
-        return value.hex()
-    raise TypeError(f"cannot encode {type(value).__name__} as JSON")
 
 
 # -- messages on the subscriber's side ------------------------------------------------------

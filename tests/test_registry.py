@@ -249,3 +249,19 @@ def test_bench_measures_a_plugin_sink_url(tmp_path: Path) -> None:
     assert rows
     assert rows[0]["events_per_s"] > 0
     assert out.stat().st_size > 0
+
+
+def test_a_codec_named_on_the_wire_comes_from_the_one_table() -> None:
+    # The socket protocol's welcome and the brokers' codec header name codecs the
+    # way URLs do (kvstream.config.make_codec): same names, same refusal.
+    from kvstream.codecs.msgpack import MsgpackCodec
+    from kvstream.errors import DecodeError
+    from kvstream.wire.broker import PayloadDecoder
+    from kvstream.wire.socket_protocol import ProtocolError, codec_by_name
+
+    assert isinstance(codec_by_name("msgpack"), MsgpackCodec)
+    assert isinstance(PayloadDecoder().codec("msgpack"), MsgpackCodec)
+    with pytest.raises(ProtocolError, match=r"welcome\.codec: unknown codec 'zstd'.*json, msgpack"):
+        codec_by_name("zstd")
+    with pytest.raises(DecodeError, match=r"unknown codec 'zstd'.*json, msgpack"):
+        PayloadDecoder().codec("zstd")

@@ -308,21 +308,6 @@ def subject_covers(pattern: str, subject: str) -> bool:
 # -- payloads ---------------------------------------------------------------------
 
 
-def _msgpack_codec() -> Codec:
-    try:
-        from kvstream.codecs.msgpack import MsgpackCodec
-    except ImportError as exc:
-        raise DecodeError(f"codec 'msgpack' is not available here: {exc}") from None
-    codec: Codec = MsgpackCodec()
-    return codec
-
-
-_DECODERS: Final[dict[str, Callable[[], Codec]]] = {
-    "json": JsonCodec,
-    "msgpack": _msgpack_codec,
-}
-
-
 class PayloadDecoder:
     """Turns a message's payload and its `(origin, epoch, seq)` back into a batch.
 
@@ -343,11 +328,13 @@ class PayloadDecoder:
             return self.default
         codec = self._codecs.get(name)
         if codec is None:
-            factory = _DECODERS.get(name)
-            if factory is None:
-                known = ", ".join(sorted(_DECODERS))
-                raise DecodeError(f"codec: expected one of {known}, got {name!r:.40}")
-            codec = self._codecs[name] = factory()
+            from kvstream.config import make_codec  # the one table of codec names
+
+            try:
+                codec = make_codec(name)
+            except ConfigError as exc:
+                raise DecodeError(str(exc)) from None
+            self._codecs[name] = codec
         return codec
 
     def decode_message(self, data: bytes, headers: Mapping[str, str] | None) -> EventBatch:

@@ -79,7 +79,7 @@ import orjson
 
 from kvstream.codecs.base import Codec
 from kvstream.codecs.json import JsonCodec, json_default
-from kvstream.errors import ConfigError, DecodeError, MissingDependencyError, shorten
+from kvstream.errors import ConfigError, DecodeError, shorten
 from kvstream.events import EventBatch, KVCacheEvent
 
 __all__ = [
@@ -390,16 +390,13 @@ def parse_welcome(obj: Mapping[str, Any]) -> Welcome:
 
 
 def codec_by_name(name: str) -> Codec:
-    """The decoder for a codec the welcome names (`json`, `msgpack`)."""
-    if name == "json":
-        return JsonCodec()
-    if name == "msgpack":
-        try:
-            from kvstream.codecs.msgpack import MsgpackCodec
-        except ImportError as exc:  # pragma: no cover - part of the core install
-            raise MissingDependencyError.for_extra("kvstream.codecs.msgpack", "all", exc) from exc
-        return MsgpackCodec()
-    raise ProtocolError(f"welcome.codec: expected json or msgpack, got {name!r:.40}")
+    """The decoder for a codec the welcome names (`json`, `msgpack`, or a plug-in's)."""
+    from kvstream.config import make_codec  # the one table of codec names
+
+    try:
+        return make_codec(name)
+    except ConfigError as exc:
+        raise ProtocolError(f"welcome.{exc}") from None
 
 
 # -- messages on the sink's side ------------------------------------------------------------

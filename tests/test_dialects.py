@@ -223,12 +223,70 @@ def test_sglang_consumers_read_their_profiles() -> None:
         assert len(dw.sglang_pos_no_meta_decoder.decode(data).events) == len(batch.events)
 
 
-def test_llm_d_dec_2025_reads_its_profile_and_not_the_positional_one() -> None:
+def _llm_d_key(h: int | bytes) -> int:
+    """The uint64 key llm-d's Dec-2025 reader makes of a hash (getHashAsUint64)."""
+    if isinstance(h, bytes):
+        return int.from_bytes(h[-8:], "big")
+    return h % 2**64
+
+
+def test_llm_d_dec_2025_indexes_every_hash_of_its_profile() -> None:
     for name in EXPECTED:
         batch = MsgpackCodec().decode(golden_bytes(name))
-        assert dw.llm_d_2025_12_accepts(MsgpackCodec(profile="llm-d-2025-12").encode(batch))
+        kept, skipped = dw.llm_d_2025_12_read(MsgpackCodec(profile="llm-d-2025-12").encode(batch))
+        assert skipped == [], name
+        assert [e.tag for e in kept] == [type(e).__name__ for e in batch.events]
+        for got, sent in zip(kept, batch.events, strict=True):
+            if isinstance(sent, BlockStored):
+                assert got.keys == [_llm_d_key(h) for h in sent.block_hashes]
+                parent = sent.parent_block_hash
+                assert got.parent == (None if parent is None else _llm_d_key(parent))
+                assert (got.token_ids, got.block_size) == (sent.token_ids, sent.block_size)
+                assert (got.lora_id, got.medium) == (sent.lora_id, sent.medium)
+            elif isinstance(sent, BlockRemoved):
+                assert (got.keys, got.medium) == (
+                    [_llm_d_key(h) for h in sent.block_hashes],
+                    sent.medium,
+                )
+
+
+def test_llm_d_dec_2025_skips_the_other_layouts() -> None:
+    batch = MsgpackCodec().decode(golden_bytes("trtllm-vllm-wire"))  # hashes 5 and 6
+    kept, skipped = dw.llm_d_2025_12_read(MsgpackCodec(profile="positional").encode(batch))
+    assert kept == []
+    assert skipped == [
+        "event 0: BlockStored has 6 fields, got 11",
+        "event 1: BlockRemoved has 2 fields, got 3",
+    ]
+    # llm-d's layout from Jan 2026 (v0.5.0) adds lora_name: tag + 7, refused by this one.
+    with_lora_name = LLM_D_TRTLLM.replace("97ab", "98ab", 1).replace("a3475055", "a3475055c0", 1)
+    kept, skipped = dw.llm_d_2025_12_read(bytes.fromhex(with_lora_name))
+    assert skipped == ["event 0: BlockStored has 6 fields, got 7"]
+    assert [e.keys for e in kept] == [[5]]
+    # Hashes in their shortest msgpack form (as msgspec writes 5 and 6) are not indexed.
+    data = msgspec.msgpack.encode([1.0, [["BlockRemoved", [5, 2**40], "GPU"]], None])
+    kept, skipped = dw.llm_d_2025_12_read(data)
+    assert kept[0].keys == [2**40]
+    assert skipped == ["event 0: BlockRemoved hash 0: unsupported form 05"]
+    with pytest.raises(ValueError, match="3 elements expected, got 2"):
+        dw.llm_d_2025_12_read(msgspec.msgpack.encode([1.0, []]))
+
+
+#: The llm-d-2025-12 profile of the TensorRT-LLM golden message, byte for byte:
+#: [ts, [[BlockStored, [u64 5, u64 6], nil, tokens 0..63, 32, nil, "GPU"],
+#: [BlockRemoved, [u64 5], "GPU"]], nil].
+LLM_D_TRTLLM = (
+    "93cb41da556e4100000092"
+    "97ab426c6f636b53746f72656492cf0000000000000005cf0000000000000006c0"
+    "dc0040" + bytes(range(64)).hex() + "20c0a3475055"
+    "93ac426c6f636b52656d6f76656491cf0000000000000005a3475055"
+    "c0"
+)
+
+
+def test_the_llm_d_profile_writes_the_golden_bytes() -> None:
     batch = MsgpackCodec().decode(golden_bytes("trtllm-vllm-wire"))
-    assert not dw.llm_d_2025_12_accepts(MsgpackCodec(profile="positional").encode(batch))
+    assert MsgpackCodec(profile="llm-d-2025-12").encode(batch).hex() == LLM_D_TRTLLM
 
 
 def test_profiles_are_url_options_and_refuse_metadata() -> None:
@@ -340,7 +398,7 @@ CARRIES: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "sglang": {"BlockStored": _VLLM[:7], "BlockRemoved": ("block_hashes", "medium")},
     "sglang-positional": {"BlockStored": _VLLM[:6], "BlockRemoved": ("block_hashes", "medium")},
-    "llm-d-2025-12": {"BlockStored": _VLLM[:7], "BlockRemoved": ("block_hashes", "medium")},
+    "llm-d-2025-12": {"BlockStored": _VLLM[:6], "BlockRemoved": ("block_hashes", "medium")},
 }
 CARRIES["positional"] = CARRIES["map"]
 

@@ -34,6 +34,7 @@ from typing import Self, TypeVar
 import anyio
 import anyio.abc
 import pytest
+from waiting import wait_until
 
 from kvstream.bench.servers import NatsServer, RedisServer, free_port
 from kvstream.config import open_subscriber
@@ -66,15 +67,6 @@ def require_binary(name: str, package: str) -> str:
             pytest.fail(f"{reason}; {REQUIRE_ENV}=1 requires it", pytrace=False)
         pytest.skip(reason)
     return path
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
-    """Poll ``predicate`` until it holds; fail the test after ``timeout`` seconds."""
-    with anyio.fail_after(timeout):
-        while True:
-            if predicate():
-                return
-            await anyio.sleep(0.01)
 
 
 # -- fixtures ------------------------------------------------------------------------

@@ -36,7 +36,8 @@ def test_a_broker_server_serves_in_its_block_and_leaves_nothing(
         assert folder.is_dir()
         process = server._server
         assert process is not None
-        assert process.running
+        running_inside = process.running
+    assert running_inside
     assert not folder.exists()
     assert not process.running
     with pytest.raises(ConnectionRefusedError):

@@ -14,6 +14,7 @@ from typing import Any
 
 import anyio
 import pytest
+from waiting import wait_until
 
 from kvstream import (
     AllBlocksCleared,
@@ -42,13 +43,6 @@ def ev(i: int) -> BlockRemoved:
 
 def evs(*ids: int) -> list[KVCacheEvent]:
     return [ev(i) for i in ids]
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll ``predicate`` with a generous deadline (the deadline only catches hangs)."""
-    with anyio.fail_after(timeout):
-        while not predicate():  # noqa: ASYNC110 - polling another object's state
-            await anyio.sleep(0.001)
 
 
 _END = object()

@@ -6,13 +6,13 @@ import logging
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 import pytest
+from waiting import wait_until
 
 from kvstream import (
     AllBlocksCleared,
@@ -39,13 +39,6 @@ pytestmark = pytest.mark.usefixtures("no_leaked_tasks")
 def batch(seq: int, n_events: int = 1, origin: str = "o") -> EventBatch:
     events = [BlockRemoved(block_hashes=[seq * 1000 + i]) for i in range(n_events)]
     return EventBatch(seq=seq, ts=float(seq), events=events, origin=origin, epoch="e")
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll ``predicate`` with a generous deadline (the deadline only catches hangs)."""
-    with anyio.fail_after(timeout):
-        while not predicate():  # noqa: ASYNC110 - polling another object's state
-            await anyio.sleep(0.001)
 
 
 class GatedSink(Sink):

@@ -12,7 +12,7 @@ import socket
 import stat
 import struct
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -22,6 +22,7 @@ import anyio.abc
 import anyio.lowlevel
 import orjson
 import pytest
+from waiting import wait_until
 
 import kvstream
 from kvstream import BlockRemoved, BlockStored, EventBatch, Scheduler
@@ -89,16 +90,6 @@ async def take_until(sub: SocketSubscriber, last_seq: int) -> list[SubscriberIte
 
 def seqs(items: list[SubscriberItem]) -> list[int]:
     return [i.seq for i in items if isinstance(i, EventBatch)]
-
-
-async def wait_until(predicate: Callable[[], bool], what: str) -> None:
-    """Poll ``predicate`` (state kept by another task) until true, or fail naming ``what``."""
-    try:
-        with anyio.fail_after(DEADLINE):
-            while not predicate():  # noqa: ASYNC110 - polling state, no event to wait on
-                await anyio.sleep(0.01)
-    except TimeoutError:
-        pytest.fail(f"timed out waiting for {what}")
 
 
 def port_of(sink: SocketSink) -> int:

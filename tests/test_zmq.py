@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -19,6 +19,7 @@ import pytest
 import vllm_wire as vllm
 import zmq
 import zmq.asyncio
+from waiting import wait_until
 
 import kvstream
 from kvstream.cli import zmq_sink_from_kv_events_config
@@ -95,15 +96,6 @@ def bound_sink(ipc_dir: str | None = None, **kw: Any) -> ZmqSink:
         return ZmqSink("tcp://127.0.0.1:0", bind=True, **kw)
     kw.setdefault("replay_endpoint", f"ipc://{ipc_dir}/replay.sock")
     return ZmqSink(f"ipc://{ipc_dir}/live.sock", **kw)
-
-
-async def wait_until(condition: Callable[[], bool], timeout: float = 15.0) -> None:
-    """Poll ``condition`` (a counter another task moves) until it holds."""
-    with anyio.fail_after(timeout):
-        while True:
-            if condition():
-                return
-            await anyio.sleep(0.005)
 
 
 async def recv(sock: zmq.asyncio.Socket, timeout: float = 10.0) -> list[bytes]:

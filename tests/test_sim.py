@@ -113,9 +113,11 @@ async def test_engine_feeds_a_scheduler_with_all_three_inputs() -> None:
     sink = MemorySink()
     engine = SimulatedEngine(seed=5, gpu_blocks=96, cpu_blocks=192, remote_blocks=384)
     async with Scheduler(sinks=[sink], origin="sim-a") as scheduler:
-        engine.attach(scheduler)
+        for source, name in engine.inputs():
+            scheduler.add_source(source, name=name)
         for _ in range(120):
-            await engine.astep(scheduler)
+            scheduler.emit(engine.run_step())
+            await engine.handed_over()
             await scheduler.tick()
         engine.close()
     report = check_consistency(sink.batches)

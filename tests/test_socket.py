@@ -520,7 +520,8 @@ async def _run_engine(
     engine: SimulatedEngine, s: Scheduler, steps: int, stop: anyio.Event | None = None
 ) -> None:
     for _ in range(steps):
-        await engine.astep(s)
+        s.emit(engine.run_step())
+        await engine.handed_over()
         await s.tick()
         await anyio.lowlevel.checkpoint()
         if stop is not None and stop.is_set():
@@ -538,7 +539,8 @@ async def test_resume_beyond_the_ring_with_a_snapshot_is_consistent() -> None:
     sink = SocketSink(port=0, ring_bytes=64 * 1024, subscriber_bytes=60 * 1024)
     sink.snapshot_provider = engine.snapshot
     async with Scheduler(sinks=[sink], origin=engine.origin) as s:
-        engine.attach(s)
+        for source, name in engine.inputs():
+            s.add_source(source, name=name)
         await _run_engine(engine, s, 150)
         sealed = s.statistics().next_seq[s.origin]
         await wait_until(lambda: sink.statistics().batches_out == sealed, "all in the ring")
@@ -580,7 +582,8 @@ async def test_without_a_tick_the_snapshot_falls_back_to_a_gap() -> None:
     sink = SocketSink(port=0, ring_bytes=16 * 1024, snapshot_timeout=0.2)
     sink.snapshot_provider = engine.snapshot
     async with Scheduler(sinks=[sink], origin=engine.origin) as s:
-        engine.attach(s)
+        for source, name in engine.inputs():
+            s.add_source(source, name=name)
         await _run_engine(engine, s, 60)
         sealed = s.statistics().next_seq[s.origin]
         await wait_until(lambda: sink.statistics().batches_out == sealed, "all in the ring")

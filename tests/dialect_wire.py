@@ -311,11 +311,11 @@ def cases() -> list[dict[str, Any]]:
             "batch": vllm.KVEventBatch(
                 1767225601.0,
                 [
-                    VllmStoredV1([7], None, [1, 2], 2, None),
-                    VllmStoredPos([8], 7, [3, 4], 2, None, "CPU", None),
-                    VllmStoredPosLocality([9], 8, [5, 6], 2, None, "GPU", None, locality="LOCAL"),
-                    VllmRemovedPos([7], "CPU"),
-                    VllmClearedPos(),
+                    VllmStoredV1([7], None, [1, 2], 2, None),  # type: ignore[list-item]
+                    VllmStoredPos([8], 7, [3, 4], 2, None, "CPU", None),  # type: ignore[list-item]
+                    VllmStoredPosLocality([9], 8, [5, 6], 2, None, "GPU", None, locality="LOCAL"),  # type: ignore[list-item]
+                    VllmRemovedPos([7], "CPU"),  # type: ignore[list-item]
+                    VllmClearedPos(),  # type: ignore[list-item]
                 ],
                 1,
             ),

@@ -29,7 +29,7 @@ import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import Any, Self, TypeVar
 
 import anyio
 import anyio.abc
@@ -138,15 +138,16 @@ class CuttingProxy:
         self.connections = 0
         self.cut = anyio.Event()
         self._marker: bytes | None = None
-        self._listener: anyio.abc.SocketListener | None = None
+        self._listener: anyio.abc.Listener[anyio.abc.SocketStream] | None = None
         self._tg: anyio.abc.TaskGroup | None = None
 
     async def __aenter__(self) -> Self:
-        self._listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
-        self.port = self._listener.extra(anyio.abc.SocketAttribute.local_port)
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        self._listener = listener
+        self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
-        self._tg.start_soon(self._listener.serve, self._handle)
+        self._tg.start_soon(listener.serve, self._handle)
         return self
 
     async def __aexit__(
@@ -246,7 +247,7 @@ def batch(seq: int, origin: str = "engine-0", epoch: str = "e1") -> EventBatch:
     return EventBatch(seq=seq, ts=1.5 + seq, events=[stored(seq)], origin=origin, epoch=epoch)
 
 
-async def read_all(url: str, **kwargs: object) -> list[EventBatch | Gap]:
+async def read_all(url: str, **kwargs: Any) -> list[EventBatch | Gap]:
     """Everything a subscriber yields from the stream's start until it has caught up."""
     kwargs.setdefault("from_seq", 0)
     items: list[EventBatch | Gap] = []

@@ -216,11 +216,11 @@ def test_sglang_consumers_read_their_profiles() -> None:
             batch = EventBatch(seq=0, ts=1.0, events=MsgpackCodec(strict="convert").screen(
                 batch.events)[0])  # fmt: skip
         got = dw.sglang_map_decoder.decode(MsgpackCodec(profile="sglang").encode(batch))
-        assert len(got.events) == len(batch.events)
+        assert len(got.events) == len(batch.events)  # type: ignore[attr-defined]
         data = MsgpackCodec(profile="sglang-positional").encode(batch)
-        assert len(dw.sglang_pos_decoder.decode(data).events) == len(batch.events)
+        assert len(dw.sglang_pos_decoder.decode(data).events) == len(batch.events)  # type: ignore[attr-defined]
         # SGLang's structs without the map read past it (msgspec ignores trailing elements).
-        assert len(dw.sglang_pos_no_meta_decoder.decode(data).events) == len(batch.events)
+        assert len(dw.sglang_pos_no_meta_decoder.decode(data).events) == len(batch.events)  # type: ignore[attr-defined]
 
 
 def _llm_d_key(h: int | bytes) -> int:
@@ -291,7 +291,7 @@ def test_the_llm_d_profile_writes_the_golden_bytes() -> None:
 
 def test_profiles_are_url_options_and_refuse_metadata() -> None:
     sink = open_sink("zmq+tcp://127.0.0.1:1?profile=sglang")
-    assert sink.codec.profile == "sglang"  # type: ignore[attr-defined]
+    assert sink.codec.profile == "sglang"  # type: ignore[union-attr]
     sub = open_subscriber("zmq+tcp://127.0.0.1:1?dialect=sglang&media=normalize")
     assert (sub.codec.dialect, sub.codec.media) == ("sglang", "normalize")  # type: ignore[attr-defined]
     with pytest.raises(ConfigError, match="cannot carry metadata"):
@@ -339,7 +339,10 @@ def test_token_shapes_engines_send_are_accepted() -> None:
     )
     # EAGLE pairs that do not chain keep every second element.
     e = BlockStored(
-        block_hashes=[1], parent_block_hash=None, token_ids=[(1, 9), (2, 8)], block_size=2
+        block_hashes=[1],
+        parent_block_hash=None,
+        token_ids=[(1, 9), (2, 8)],  # type: ignore[list-item]
+        block_size=2,
     )
     assert (e.token_ids, e.metadata) == ([1, 2], wire(token_pairs_second=[9, 8]))
     assert MsgpackCodec(profile="sglang").encode(EventBatch(seq=0, ts=1.0, events=[e]))
@@ -357,7 +360,7 @@ def test_token_shapes_engines_send_are_accepted() -> None:
     ],
 )
 def test_shapes_no_engine_sends_are_refused_naming_the_field(
-    tokens: list[Any], size: int, hashes: list[int], named: str
+    tokens: list[Any], size: int, hashes: list[int | bytes], named: str
 ) -> None:
     with pytest.raises(InvalidEventError, match=named.replace("[", r"\[").replace("]", r"\]")):
         BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=tokens, block_size=size)
@@ -554,7 +557,7 @@ def sglang_stored(draw: st.DrawFn) -> dw.SglangStored:
     size = draw(st.integers(1, 4))
     blocks = draw(st.integers(n, n + 2))
     tokens: list[Any] = draw(st.lists(TOKEN, min_size=blocks * size, max_size=blocks * size))
-    if tokens and draw(st.booleans()):  # EAGLE pages: (token, next) pairs
+    if tokens and draw(st.booleans()):  # type: ignore[arg-type]  # EAGLE pages: (token, next) pairs
         if draw(st.booleans()):
             tail = draw(TOKEN)
             tokens = [(t, u) for t, u in zip(tokens, [*tokens[1:], tail], strict=True)]
@@ -607,7 +610,10 @@ def test_vllm_map_events_round_trip_through_kvstream_byte_for_byte(
 
 def test_eagle_pairs_as_tuples_of_tuples_are_read_too() -> None:
     e = BlockStored(
-        block_hashes=[1], parent_block_hash=None, token_ids=((1, 2), (2, 3)), block_size=2
+        block_hashes=[1],
+        parent_block_hash=None,
+        token_ids=((1, 2), (2, 3)),  # type: ignore[arg-type]
+        block_size=2,
     )
     assert (e.token_ids, e.metadata) == ([1, 2], wire(token_pairs_next=3))
 
@@ -686,6 +692,6 @@ def test_a_non_map_wire_entry_costs_only_its_event_when_normalizing() -> None:
     ]
     with pytest.raises(InvalidEventError, match=r"metadata\.wire"):
         BlockStored(
-            block_hashes=[1], parent_block_hash=None, token_ids=[[1, 2]], block_size=1,
+            block_hashes=[1], parent_block_hash=None, token_ids=[[1, 2]], block_size=1,  # type: ignore[list-item]
             metadata={"wire": 3},
         )  # fmt: skip

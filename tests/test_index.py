@@ -297,7 +297,7 @@ class Reference:
         for k in range(n):
             prefix = (*prefix, (lora_name, None, tuple(tokens[k * size : (k + 1) * size])))
             prefixes.append(prefix)
-        order = [m for m in TIER_PREFERENCE if m in self.tier_seen]
+        order: list[str] = [m for m in TIER_PREFERENCE if m in self.tier_seen]
         order += [m for m in self.tier_seen if m not in order]
         out = []
         for (name, rank), o in self.origins.items():

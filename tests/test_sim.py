@@ -127,5 +127,5 @@ async def test_engine_feeds_a_scheduler_with_all_three_inputs() -> None:
     # Within a batch, the cache manager's events come first, then the connectors'.
     order = {"GPU": 0, "CPU": 1, "EXTERNAL": 2}
     for b in sink.batches:
-        ranks = [order[e.medium] for e in b.events if isinstance(e, BlockStored | BlockRemoved)]
+        ranks = [order[e.medium] for e in b.events if isinstance(e, BlockStored | BlockRemoved)]  # type: ignore[index]
         assert ranks == sorted(ranks)

@@ -28,7 +28,7 @@ import kvstream
 from kvstream import BlockRemoved, BlockStored, EventBatch, Scheduler
 from kvstream.codecs.msgpack import MsgpackCodec
 from kvstream.config import open_sink, open_subscriber
-from kvstream.consumers.base import Gap, SubscriberItem
+from kvstream.consumers.base import Gap, Subscriber, SubscriberItem
 from kvstream.consumers.socket import SnapshotBatch, SocketSubscriber
 from kvstream.errors import ConfigError, DecodeError, TransportError
 from kvstream.sim import SimulatedEngine, check_consistency
@@ -63,7 +63,7 @@ async def produce(s: Scheduler, first: int, n: int, size: int = 1) -> None:
         await s.tick()
 
 
-async def take(sub: SocketSubscriber, n_batches: int) -> list[SubscriberItem]:
+async def take(sub: Subscriber, n_batches: int) -> list[SubscriberItem]:
     """Items until ``n_batches`` batches (snapshots count) have arrived."""
     items: list[SubscriberItem] = []
     got = 0

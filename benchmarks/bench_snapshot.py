@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstream.codecs.json import JsonCodec
-from kvstream.events import BlockStored, EventBatch, KVCacheEvent
+from kvstream.events import BlockHash, BlockStored, EventBatch, KVCacheEvent
 from kvstream.state import StateKeeper
 from kvstream.wire.broker import (
     PayloadDecoder,
@@ -62,12 +62,12 @@ def _batches(n_blocks: int, seed: int = 0) -> list[EventBatch]:
     events: list[KVCacheEvent] = []
     h = 1
     while h <= n_blocks:
-        parent: int | None = None
+        parent: BlockHash | None = None
         for _ in range(CHAIN // PER_EVENT):
             if h > n_blocks:
                 break
             n = min(PER_EVENT, n_blocks - h + 1)
-            hashes = list(range(h, h + n))
+            hashes: list[BlockHash] = list(range(h, h + n))
             tokens = [rng.randrange(32000) for _ in range(n * BLOCK_SIZE)]
             events.append(
                 BlockStored(

@@ -74,7 +74,8 @@ class RecentBatches(Sink):
 async def run_engine(engine: SimulatedEngine, kv: Scheduler, steps_per_second: float) -> None:
     """The engine's step loop: one step, then one tick (one batch)."""
     async for _ in every(1.0 / steps_per_second):
-        await engine.astep(kv)  # the cache manager emits; connectors hand over theirs
+        kv.emit(engine.run_step())  # the cache manager's own events
+        await engine.handed_over()  # the CPU offload connector has handed over its own
         await kv.tick()
 
 
@@ -95,7 +96,8 @@ def create_app(
         recent = RecentBatches()
         engine = SimulatedEngine(seed=seed, origin="sim-0")
         async with Scheduler(sinks=[recent, *sinks], origin="sim-0") as kv:
-            engine.attach(kv)
+            for source, name in engine.inputs():  # the engine's connectors
+                kv.add_source(source, name=name)
             collector.add(kv)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(run_engine, engine, kv, steps_per_second)

@@ -39,7 +39,7 @@ async def no_leaked_tasks() -> AsyncIterator[None]:
     yield
     leaked: set[asyncio.Task[object]] = set()
     for _ in range(20):
-        leaked = asyncio.all_tasks() - before - {asyncio.current_task()}  # type: ignore[operator]
+        leaked = asyncio.all_tasks() - before - {asyncio.current_task()}
         if not leaked:
             return
         await asyncio.sleep(0)

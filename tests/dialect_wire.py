@@ -146,17 +146,128 @@ sglang_pos_no_meta_decoder = msgspec.msgpack.Decoder(
 )
 
 
-def llm_d_2025_12_accepts(payload: bytes) -> bool:
-    """The Dec-2025 llm-d-kv-cache decoder's guard, as issue 14 reports it: exact lengths.
+# -- llm-d-kv-cache's reader of Dec 2025 ----------------------------------------------------------
+#
+# llm-d-kv-cache v0.4.0 (tag of 2025-11-21; pkg/kvcache/kvevents unchanged on main
+# through 2025-12-28) reads a payload in pool.go's processEvent/digestEvents with
+# vmihailenco/msgpack v5.4.1. Modelled here from that source, not from kvstream:
+#
+# * the batch is a Go struct decoded from an array: exactly 3 elements
+#   (TS float64, Events []RawMessage, DataParallelRank *int), else the batch is dropped;
+# * each event is an array, tag first; the rest is re-encoded as an array and decoded
+#   into the tag's struct, which must have exactly that many fields (the library's
+#   "number of fields in array-encoded struct has changed"), except that an empty
+#   rest gives the zero struct; otherwise the event is skipped;
+# * BlockStored: BlockHashes []any, ParentBlockHash any, TokenIds []uint32,
+#   BlockSize int, LoraID *int, Medium *string (6); BlockRemoved: BlockHashes []any,
+#   Medium *string (2); AllBlocksCleared: none;
+# * a hash decoded into `any` is uint64 or int64 only from msgpack's 9-byte int forms
+#   (smaller ones become uint8..int32, which getHashAsUint64 refuses); bin gives its
+#   last 8 bytes big-endian (left-padded when shorter, refused when empty). A refused
+#   block hash is skipped; a refused parent hash skips the event.
 
-    It reads ``BlockStored`` as tag + 7 fields, ``BlockRemoved`` as tag + 2 and
-    ``AllBlocksCleared`` as the tag alone, and rejects any other length.
+LLM_D_2025_12_FIELDS = {"BlockStored": 6, "BlockRemoved": 2, "AllBlocksCleared": 0}
+_RAWS = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_STR = msgspec.msgpack.Decoder(str)
+_LLM_D_FIELD_TYPES: dict[str, tuple[Any, ...]] = {
+    "BlockStored": (
+        list[msgspec.Raw] | None,
+        msgspec.Raw,
+        list[int] | None,
+        int,
+        int | None,
+        str | None,
+    ),
+    "BlockRemoved": (list[msgspec.Raw] | None, str | None),
+}
+
+
+class LlmdEvent(msgspec.Struct, frozen=True):
+    """What llm-d's Dec-2025 reader takes from one event: the uint64 keys it indexes."""
+
+    tag: str
+    keys: list[int]
+    parent: int | None = None
+    token_ids: list[int] | None = None
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+
+
+def _llm_d_hash(raw: msgspec.Raw) -> int | None:
+    data = bytes(raw)
+    code = data[0]
+    if code == 0xCF:  # uint 64
+        return int.from_bytes(data[1:9], "big")
+    if code == 0xD3:  # int 64, taken as its two's complement
+        return int.from_bytes(data[1:9], "big")
+    if code in (0xC4, 0xC5, 0xC6):
+        digest = msgspec.msgpack.decode(data)
+        return int.from_bytes(digest[-8:], "big") if digest else None
+    return None
+
+
+def llm_d_2025_12_read(payload: bytes) -> tuple[list[LlmdEvent], list[str]]:
+    """The events llm-d-kv-cache's Dec-2025 reader keeps, and why it skipped the others.
+
+    Raises `ValueError` when it drops the whole batch.
     """
-    ts, events, _rank = msgspec.msgpack.decode(payload)
-    lengths = {"BlockStored": 8, "BlockRemoved": 3, "AllBlocksCleared": 1}
-    return type(ts) is float and all(
-        type(e) is list and e and lengths.get(e[0]) == len(e) for e in events
-    )
+    batch = _RAWS.decode(payload)
+    if len(batch) != 3:
+        raise ValueError(f"batch: 3 elements expected, got {len(batch)}")
+    msgspec.msgpack.decode(batch[0], type=float)
+    msgspec.msgpack.decode(batch[2], type=int | None)
+    kept: list[LlmdEvent] = []
+    skipped: list[str] = []
+    for i, raw in enumerate(_RAWS.decode(batch[1])):
+        try:
+            parts = _RAWS.decode(raw)
+            tag = _STR.decode(parts[0])
+        except (msgspec.DecodeError, IndexError):
+            skipped.append(f"event {i}: not a tagged array")
+            continue
+        n = LLM_D_2025_12_FIELDS.get(tag)
+        if n is None:
+            skipped.append(f"event {i}: unknown tag {tag!r}")
+            continue
+        rest = parts[1:]
+        if rest and len(rest) != n:
+            skipped.append(f"event {i}: {tag} has {n} fields, got {len(rest)}")
+            continue
+        if not rest or tag == "AllBlocksCleared":
+            kept.append(LlmdEvent(tag, []))
+            continue
+        try:
+            fields = [
+                msgspec.msgpack.decode(part, type=t)
+                for part, t in zip(rest, _LLM_D_FIELD_TYPES[tag], strict=True)
+            ]
+        except msgspec.ValidationError as exc:
+            skipped.append(f"event {i}: {tag}: {exc}")
+            continue
+        keys = []
+        for j, h in enumerate(fields[0] or []):
+            key = _llm_d_hash(h)
+            if key is None:
+                skipped.append(f"event {i}: {tag} hash {j}: unsupported form {bytes(h).hex()}")
+            else:
+                keys.append(key)
+        if tag == "BlockRemoved":
+            kept.append(LlmdEvent(tag, keys, medium=fields[1]))
+            continue
+        parent_raw: msgspec.Raw = fields[1]
+        parent = None
+        if bytes(parent_raw) != b"\xc0":
+            parent = _llm_d_hash(parent_raw)
+            if parent is None:
+                skipped.append(f"event {i}: {tag} parent hash: unsupported form")
+                continue
+        tokens = fields[2]
+        if tokens is not None and not all(0 <= t < 2**32 for t in tokens):
+            skipped.append(f"event {i}: {tag} token ids: not uint32")
+            continue
+        kept.append(LlmdEvent(tag, keys, parent, tokens, fields[3], fields[4], fields[5]))
+    return kept, skipped
 
 
 # -- one message per dialect ------------------------------------------------------------------
@@ -200,11 +311,11 @@ def cases() -> list[dict[str, Any]]:
             "batch": vllm.KVEventBatch(
                 1767225601.0,
                 [
-                    VllmStoredV1([7], None, [1, 2], 2, None),
-                    VllmStoredPos([8], 7, [3, 4], 2, None, "CPU", None),
-                    VllmStoredPosLocality([9], 8, [5, 6], 2, None, "GPU", None, locality="LOCAL"),
-                    VllmRemovedPos([7], "CPU"),
-                    VllmClearedPos(),
+                    VllmStoredV1([7], None, [1, 2], 2, None),  # type: ignore[list-item]
+                    VllmStoredPos([8], 7, [3, 4], 2, None, "CPU", None),  # type: ignore[list-item]
+                    VllmStoredPosLocality([9], 8, [5, 6], 2, None, "GPU", None, locality="LOCAL"),  # type: ignore[list-item]
+                    VllmRemovedPos([7], "CPU"),  # type: ignore[list-item]
+                    VllmClearedPos(),  # type: ignore[list-item]
                 ],
                 1,
             ),

@@ -1,9 +1,11 @@
 """Real broker servers for tests: ``nats-server -js`` and ``redis-server --appendonly yes``.
 
-Each server runs on a free 127.0.0.1 port with its data in a short temporary
-folder, and can be stopped and started again on the same port and data (a
-restart mid-test). When a binary is missing the test skips with the reason,
-or fails when ``KVSTREAM_REQUIRE_SERVERS=1`` (CI installs both).
+The launcher is the package's (`kvstream.bench.servers`, which the benchmark
+uses too); here are the fixtures around it. Each server runs on a free
+127.0.0.1 port with its data in a short temporary folder, and can be stopped
+and started again on the same port and data (a restart mid-test). When a
+binary is missing the test skips with the reason, or fails when
+``KVSTREAM_REQUIRE_SERVERS=1`` (CI installs both).
 
 Also here: :class:`CuttingProxy`, a loopback TCP proxy that can drop one reply
 from the server and cut the connection, to produce "the write happened but
@@ -21,21 +23,20 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import Any, Self, TypeVar
 
 import anyio
 import anyio.abc
 import pytest
+from waiting import wait_until
 
+from kvstream.bench.servers import NatsServer, RedisServer, free_port
 from kvstream.config import open_subscriber
 from kvstream.consumers.base import Gap
 from kvstream.events import BlockStored, EventBatch
@@ -57,14 +58,6 @@ __all__ = [
 REQUIRE_ENV = "KVSTREAM_REQUIRE_SERVERS"
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def require_binary(name: str, package: str) -> str:
     """The path of ``name``; skip (or fail under ``KVSTREAM_REQUIRE_SERVERS=1``) if missing."""
     path = shutil.which(name)
@@ -74,214 +67,6 @@ def require_binary(name: str, package: str) -> str:
             pytest.fail(f"{reason}; {REQUIRE_ENV}=1 requires it", pytrace=False)
         pytest.skip(reason)
     return path
-
-
-class ServerProcess:
-    """One server process; ``start``/``stop``/``restart`` keep its port and data folder."""
-
-    name = "server"
-
-    def __init__(self, binary: str, data_dir: Path, port: int | None = None) -> None:
-        self.binary = binary
-        self.data_dir = data_dir
-        self.port = port or free_port()
-        self.log_path = data_dir / f"{self.name}.log"
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log_offset = 0
-
-    # -- what each server defines ---------------------------------------------------
-
-    def argv(self) -> list[str]:
-        raise NotImplementedError
-
-    def ready(self) -> bool:
-        raise NotImplementedError
-
-    @property
-    def url(self) -> str:
-        raise NotImplementedError
-
-    # -- lifetime ----------------------------------------------------------------------
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def start(self, timeout: float = 15.0) -> None:
-        """Start the process and wait until it serves clients."""
-        if self.running:
-            raise RuntimeError(f"{self.name} already running on port {self.port}")
-        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        out = open(self.data_dir / f"{self.name}.out", "ab")  # noqa: SIM115 - the child owns it
-        try:
-            self._proc = subprocess.Popen(
-                self.argv(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-            )
-        finally:
-            out.close()
-        deadline = time.monotonic() + timeout
-        while not self.ready():
-            if self._proc.poll() is not None:
-                code = self._proc.returncode
-                self._proc = None
-                raise RuntimeError(
-                    f"{self.name} exited with {code} at start:\n{self.log_text()[-2000:]}"
-                )
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"{self.name} not ready after {timeout} s")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        """Stop the process gracefully (SIGTERM), killing it if it lingers."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    async def astop(self) -> None:
-        await anyio.to_thread.run_sync(self.stop)
-
-    async def astart(self) -> None:
-        await anyio.to_thread.run_sync(self.start)
-
-    async def arestart(self, down_for: float = 0.3) -> None:
-        """Stop, stay down ``down_for`` seconds (the event loop keeps running), start."""
-        await self.astop()
-        await anyio.sleep(down_for)
-        await self.astart()
-
-    def _connectable(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                return True
-        except OSError:
-            return False
-
-
-class NatsServer(ServerProcess):
-    """``nats-server -js`` (JetStream on, file storage under the data folder)."""
-
-    name = "nats"
-
-    def __init__(
-        self,
-        binary: str,
-        data_dir: Path,
-        port: int | None = None,
-        *,
-        jetstream: bool = True,
-        config: str | None = None,
-        extra: tuple[str, ...] = (),
-    ) -> None:
-        super().__init__(binary, data_dir, port)
-        self.jetstream = jetstream
-        self.config_path: Path | None = None
-        if config is not None:
-            self.config_path = data_dir / "nats.conf"
-            self.config_path.write_text(config)
-        self.extra = extra
-
-    def argv(self) -> list[str]:
-        argv = [self.binary, "-a", "127.0.0.1", "-p", str(self.port), "-l", str(self.log_path)]
-        if self.jetstream:
-            argv += ["-js", "-sd", str(self.data_dir / "js")]
-        if self.config_path is not None:
-            argv += ["-c", str(self.config_path)]
-        return argv + list(self.extra)
-
-    def ready(self) -> bool:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(self._log_offset)
-                started = b"Server is ready" in f.read()
-        except FileNotFoundError:
-            return False
-        return started and self._connectable()
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-
-class RedisServer(ServerProcess):
-    """``redis-server --appendonly yes`` (AOF and data in the data folder)."""
-
-    name = "redis"
-
-    def __init__(
-        self,
-        binary: str,
-        data_dir: Path,
-        port: int | None = None,
-        *,
-        password: str | None = None,
-        extra: tuple[str, ...] = (),
-    ) -> None:
-        super().__init__(binary, data_dir, port)
-        self.password = password
-        self.extra = extra
-
-    def argv(self) -> list[str]:
-        argv = [
-            self.binary,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(self.data_dir),
-            "--appendonly",
-            "yes",
-            "--save",
-            "",
-            "--daemonize",
-            "no",
-            "--logfile",
-            str(self.log_path),
-        ]
-        if self.password is not None:
-            argv += ["--requirepass", self.password]
-        return argv + list(self.extra)
-
-    def ready(self) -> bool:
-        # PING answers +PONG once the AOF is loaded (-LOADING before, -NOAUTH with a password).
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                reply = s.recv(64)
-        except OSError:
-            return False
-        return reply.startswith((b"+PONG", b"-NOAUTH"))
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
-    """Poll ``predicate`` until it holds; fail the test after ``timeout`` seconds."""
-    with anyio.fail_after(timeout):
-        while True:
-            if predicate():
-                return
-            await anyio.sleep(0.01)
 
 
 # -- fixtures ------------------------------------------------------------------------
@@ -353,15 +138,16 @@ class CuttingProxy:
         self.connections = 0
         self.cut = anyio.Event()
         self._marker: bytes | None = None
-        self._listener: anyio.abc.SocketListener | None = None
+        self._listener: anyio.abc.Listener[anyio.abc.SocketStream] | None = None
         self._tg: anyio.abc.TaskGroup | None = None
 
     async def __aenter__(self) -> Self:
-        self._listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
-        self.port = self._listener.extra(anyio.abc.SocketAttribute.local_port)
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        self._listener = listener
+        self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
-        self._tg.start_soon(self._listener.serve, self._handle)
+        self._tg.start_soon(listener.serve, self._handle)
         return self
 
     async def __aexit__(
@@ -461,7 +247,7 @@ def batch(seq: int, origin: str = "engine-0", epoch: str = "e1") -> EventBatch:
     return EventBatch(seq=seq, ts=1.5 + seq, events=[stored(seq)], origin=origin, epoch=epoch)
 
 
-async def read_all(url: str, **kwargs: object) -> list[EventBatch | Gap]:
+async def read_all(url: str, **kwargs: Any) -> list[EventBatch | Gap]:
     """Everything a subscriber yields from the stream's start until it has caught up."""
     kwargs.setdefault("from_seq", 0)
     items: list[EventBatch | Gap] = []

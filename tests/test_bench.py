@@ -65,9 +65,9 @@ def test_workload_has_the_issue_shape() -> None:
         assert (e.group_idx, e.kv_cache_spec_kind, e.medium) == (0, "full_attention", "GPU")
         assert all(0 <= t < VOCAB_SIZE for t in e.token_ids)
         assert all(type(h) is int and 0 <= h < 2**64 for h in e.block_hashes)
-    assert max(t for e in pool for t in e.token_ids) >= 32_768  # the whole vocabulary
-    assert any(e.parent_block_hash is None for e in pool)
-    assert any(e.parent_block_hash == p.block_hashes[-1] for p, e in itertools.pairwise(pool))
+    assert max(t for e in pool for t in e.token_ids) >= 32_768  # type: ignore[attr-defined]  # the whole vocabulary
+    assert any(e.parent_block_hash is None for e in pool)  # type: ignore[attr-defined]
+    assert any(e.parent_block_hash == p.block_hashes[-1] for p, e in itertools.pairwise(pool))  # type: ignore[attr-defined]
     # The second case: stores and removals from the simulated engine.
     mixed = event_pool(512, shape="mixed")
     mixed_stats = pool_stats(mixed)

@@ -13,12 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from strategies import batches
 
 from kvstream import BlockRemoved, BlockStored, EventBatch, JsonCodec
-from kvstream.codecs.json import _default
+from kvstream.codecs.json import json_default
 
 
 def reference(codec: JsonCodec, batch: EventBatch) -> bytes:
     return orjson.dumps(
-        codec.batch_to_dict(batch), default=_default, option=orjson.OPT_APPEND_NEWLINE
+        codec.batch_to_dict(batch), default=json_default, option=orjson.OPT_APPEND_NEWLINE
     )
 
 

@@ -216,24 +216,82 @@ def test_sglang_consumers_read_their_profiles() -> None:
             batch = EventBatch(seq=0, ts=1.0, events=MsgpackCodec(strict="convert").screen(
                 batch.events)[0])  # fmt: skip
         got = dw.sglang_map_decoder.decode(MsgpackCodec(profile="sglang").encode(batch))
-        assert len(got.events) == len(batch.events)
+        assert len(got.events) == len(batch.events)  # type: ignore[attr-defined]
         data = MsgpackCodec(profile="sglang-positional").encode(batch)
-        assert len(dw.sglang_pos_decoder.decode(data).events) == len(batch.events)
+        assert len(dw.sglang_pos_decoder.decode(data).events) == len(batch.events)  # type: ignore[attr-defined]
         # SGLang's structs without the map read past it (msgspec ignores trailing elements).
-        assert len(dw.sglang_pos_no_meta_decoder.decode(data).events) == len(batch.events)
+        assert len(dw.sglang_pos_no_meta_decoder.decode(data).events) == len(batch.events)  # type: ignore[attr-defined]
 
 
-def test_llm_d_dec_2025_reads_its_profile_and_not_the_positional_one() -> None:
+def _llm_d_key(h: int | bytes) -> int:
+    """The uint64 key llm-d's Dec-2025 reader makes of a hash (getHashAsUint64)."""
+    if isinstance(h, bytes):
+        return int.from_bytes(h[-8:], "big")
+    return h % 2**64
+
+
+def test_llm_d_dec_2025_indexes_every_hash_of_its_profile() -> None:
     for name in EXPECTED:
         batch = MsgpackCodec().decode(golden_bytes(name))
-        assert dw.llm_d_2025_12_accepts(MsgpackCodec(profile="llm-d-2025-12").encode(batch))
+        kept, skipped = dw.llm_d_2025_12_read(MsgpackCodec(profile="llm-d-2025-12").encode(batch))
+        assert skipped == [], name
+        assert [e.tag for e in kept] == [type(e).__name__ for e in batch.events]
+        for got, sent in zip(kept, batch.events, strict=True):
+            if isinstance(sent, BlockStored):
+                assert got.keys == [_llm_d_key(h) for h in sent.block_hashes]
+                parent = sent.parent_block_hash
+                assert got.parent == (None if parent is None else _llm_d_key(parent))
+                assert (got.token_ids, got.block_size) == (sent.token_ids, sent.block_size)
+                assert (got.lora_id, got.medium) == (sent.lora_id, sent.medium)
+            elif isinstance(sent, BlockRemoved):
+                assert (got.keys, got.medium) == (
+                    [_llm_d_key(h) for h in sent.block_hashes],
+                    sent.medium,
+                )
+
+
+def test_llm_d_dec_2025_skips_the_other_layouts() -> None:
+    batch = MsgpackCodec().decode(golden_bytes("trtllm-vllm-wire"))  # hashes 5 and 6
+    kept, skipped = dw.llm_d_2025_12_read(MsgpackCodec(profile="positional").encode(batch))
+    assert kept == []
+    assert skipped == [
+        "event 0: BlockStored has 6 fields, got 11",
+        "event 1: BlockRemoved has 2 fields, got 3",
+    ]
+    # llm-d's layout from Jan 2026 (v0.5.0) adds lora_name: tag + 7, refused by this one.
+    with_lora_name = LLM_D_TRTLLM.replace("97ab", "98ab", 1).replace("a3475055", "a3475055c0", 1)
+    kept, skipped = dw.llm_d_2025_12_read(bytes.fromhex(with_lora_name))
+    assert skipped == ["event 0: BlockStored has 6 fields, got 7"]
+    assert [e.keys for e in kept] == [[5]]
+    # Hashes in their shortest msgpack form (as msgspec writes 5 and 6) are not indexed.
+    data = msgspec.msgpack.encode([1.0, [["BlockRemoved", [5, 2**40], "GPU"]], None])
+    kept, skipped = dw.llm_d_2025_12_read(data)
+    assert kept[0].keys == [2**40]
+    assert skipped == ["event 0: BlockRemoved hash 0: unsupported form 05"]
+    with pytest.raises(ValueError, match="3 elements expected, got 2"):
+        dw.llm_d_2025_12_read(msgspec.msgpack.encode([1.0, []]))
+
+
+#: The llm-d-2025-12 profile of the TensorRT-LLM golden message, byte for byte:
+#: [ts, [[BlockStored, [u64 5, u64 6], nil, tokens 0..63, 32, nil, "GPU"],
+#: [BlockRemoved, [u64 5], "GPU"]], nil].
+LLM_D_TRTLLM = (
+    "93cb41da556e4100000092"
+    "97ab426c6f636b53746f72656492cf0000000000000005cf0000000000000006c0"
+    "dc0040" + bytes(range(64)).hex() + "20c0a3475055"
+    "93ac426c6f636b52656d6f76656491cf0000000000000005a3475055"
+    "c0"
+)
+
+
+def test_the_llm_d_profile_writes_the_golden_bytes() -> None:
     batch = MsgpackCodec().decode(golden_bytes("trtllm-vllm-wire"))
-    assert not dw.llm_d_2025_12_accepts(MsgpackCodec(profile="positional").encode(batch))
+    assert MsgpackCodec(profile="llm-d-2025-12").encode(batch).hex() == LLM_D_TRTLLM
 
 
 def test_profiles_are_url_options_and_refuse_metadata() -> None:
     sink = open_sink("zmq+tcp://127.0.0.1:1?profile=sglang")
-    assert sink.codec.profile == "sglang"  # type: ignore[attr-defined]
+    assert sink.codec.profile == "sglang"  # type: ignore[union-attr]
     sub = open_subscriber("zmq+tcp://127.0.0.1:1?dialect=sglang&media=normalize")
     assert (sub.codec.dialect, sub.codec.media) == ("sglang", "normalize")  # type: ignore[attr-defined]
     with pytest.raises(ConfigError, match="cannot carry metadata"):
@@ -281,7 +339,10 @@ def test_token_shapes_engines_send_are_accepted() -> None:
     )
     # EAGLE pairs that do not chain keep every second element.
     e = BlockStored(
-        block_hashes=[1], parent_block_hash=None, token_ids=[(1, 9), (2, 8)], block_size=2
+        block_hashes=[1],
+        parent_block_hash=None,
+        token_ids=[(1, 9), (2, 8)],  # type: ignore[list-item]
+        block_size=2,
     )
     assert (e.token_ids, e.metadata) == ([1, 2], wire(token_pairs_second=[9, 8]))
     assert MsgpackCodec(profile="sglang").encode(EventBatch(seq=0, ts=1.0, events=[e]))
@@ -299,7 +360,7 @@ def test_token_shapes_engines_send_are_accepted() -> None:
     ],
 )
 def test_shapes_no_engine_sends_are_refused_naming_the_field(
-    tokens: list[Any], size: int, hashes: list[int], named: str
+    tokens: list[Any], size: int, hashes: list[int | bytes], named: str
 ) -> None:
     with pytest.raises(InvalidEventError, match=named.replace("[", r"\[").replace("]", r"\]")):
         BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=tokens, block_size=size)
@@ -340,7 +401,7 @@ CARRIES: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "sglang": {"BlockStored": _VLLM[:7], "BlockRemoved": ("block_hashes", "medium")},
     "sglang-positional": {"BlockStored": _VLLM[:6], "BlockRemoved": ("block_hashes", "medium")},
-    "llm-d-2025-12": {"BlockStored": _VLLM[:7], "BlockRemoved": ("block_hashes", "medium")},
+    "llm-d-2025-12": {"BlockStored": _VLLM[:6], "BlockRemoved": ("block_hashes", "medium")},
 }
 CARRIES["positional"] = CARRIES["map"]
 
@@ -496,7 +557,7 @@ def sglang_stored(draw: st.DrawFn) -> dw.SglangStored:
     size = draw(st.integers(1, 4))
     blocks = draw(st.integers(n, n + 2))
     tokens: list[Any] = draw(st.lists(TOKEN, min_size=blocks * size, max_size=blocks * size))
-    if tokens and draw(st.booleans()):  # EAGLE pages: (token, next) pairs
+    if tokens and draw(st.booleans()):  # type: ignore[arg-type]  # EAGLE pages: (token, next) pairs
         if draw(st.booleans()):
             tail = draw(TOKEN)
             tokens = [(t, u) for t, u in zip(tokens, [*tokens[1:], tail], strict=True)]
@@ -549,7 +610,10 @@ def test_vllm_map_events_round_trip_through_kvstream_byte_for_byte(
 
 def test_eagle_pairs_as_tuples_of_tuples_are_read_too() -> None:
     e = BlockStored(
-        block_hashes=[1], parent_block_hash=None, token_ids=((1, 2), (2, 3)), block_size=2
+        block_hashes=[1],
+        parent_block_hash=None,
+        token_ids=((1, 2), (2, 3)),  # type: ignore[arg-type]
+        block_size=2,
     )
     assert (e.token_ids, e.metadata) == ([1, 2], wire(token_pairs_next=3))
 
@@ -628,6 +692,6 @@ def test_a_non_map_wire_entry_costs_only_its_event_when_normalizing() -> None:
     ]
     with pytest.raises(InvalidEventError, match=r"metadata\.wire"):
         BlockStored(
-            block_hashes=[1], parent_block_hash=None, token_ids=[[1, 2]], block_size=1,
+            block_hashes=[1], parent_block_hash=None, token_ids=[[1, 2]], block_size=1,  # type: ignore[list-item]
             metadata={"wire": 3},
         )  # fmt: skip

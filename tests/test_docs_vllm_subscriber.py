@@ -185,7 +185,7 @@ async def publish_and_read(options: str, *, legacy: bool) -> tuple[list[Any], An
         with anyio.fail_after(20):
             await sink.wait_subscribed()
         for events in EMITTED:
-            kv.emit(*events)
+            kv.emit(*events)  # type: ignore[misc]
             await kv.tick()
     if "error" in result:
         raise result["error"]

@@ -40,7 +40,7 @@ async def run_batches(sink: FileSink, n: int, advance: list[float] | None = None
         for i in range(n):
             scheduler.emit(stored(i + 1))
             await scheduler.tick()
-            await until(lambda n=i + 1: sink.statistics().batches_out >= n)
+            await until(lambda n=i + 1: sink.statistics().batches_out >= n)  # type: ignore[misc]
             if advance is not None:
                 advance[0] += 1.0
 
@@ -203,7 +203,7 @@ async def test_a_follower_reads_across_rotations_without_gaps(tmp_path: Path) ->
             for i in range(n):
                 scheduler.emit(stored(i + 1))
                 await scheduler.tick()
-                await until(lambda n=i + 1: sink.statistics().batches_out >= n)  # one per write
+                await until(lambda n=i + 1: sink.statistics().batches_out >= n)  # type: ignore[misc]  # one per write
         with anyio.fail_after(30):
             await until(lambda: len(seen) >= n)
     await reader.aclose()

@@ -297,7 +297,7 @@ class Reference:
         for k in range(n):
             prefix = (*prefix, (lora_name, None, tuple(tokens[k * size : (k + 1) * size])))
             prefixes.append(prefix)
-        order = [m for m in TIER_PREFERENCE if m in self.tier_seen]
+        order: list[str] = [m for m in TIER_PREFERENCE if m in self.tier_seen]
         order += [m for m in self.tier_seen if m not in order]
         out = []
         for (name, rank), o in self.origins.items():
@@ -1216,9 +1216,11 @@ async def test_fed_in_process_through_a_queue_sink(no_leaked_tasks: None) -> Non
     async with anyio.create_task_group() as tg:
         tg.start_soon(consume)
         async with Scheduler(sinks=[sink], origin="engine-0") as scheduler:
-            engine.attach(scheduler)
+            for source, name in engine.inputs():
+                scheduler.add_source(source, name=name)
             for _ in range(30):
-                await engine.astep(scheduler)
+                scheduler.emit(engine.run_step())
+                await engine.handed_over()
                 await scheduler.tick()
             engine.close()
         # The scheduler closed its sinks: the queue ends once everything is applied.

@@ -1,30 +1,18 @@
-"""benchmarks/bench_index.py runs on a small corpus, and its JSON becomes report rows."""
+"""The index benchmark (`kvstream.bench.index_measure`) runs on a small corpus, and its JSON
+becomes report rows."""
 
 from __future__ import annotations
 
-import importlib.util
+import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
-from kvstream.bench.index_runner import _rows
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _script() -> ModuleType:
-    path = ROOT / "benchmarks" / "bench_index.py"
-    spec = importlib.util.spec_from_file_location("bench_index_under_test", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+import kvstream
+from kvstream.bench import index_measure as bench
+from kvstream.bench.index_runner import _rows, index_command
 
 
 def test_the_benchmark_functions_run_and_report_every_key() -> None:
-    bench = _script()
     corpus = bench.Corpus(2048)
     match = bench.bench_match(corpus, 5, 1)
     for tokens in (1024, 8192):
@@ -39,3 +27,15 @@ def test_the_benchmark_functions_run_and_report_every_key() -> None:
     assert "match 8192-token prompt (hit, bytes API)" in names
     assert "HTTP /match, 8192 tokens, binary body" in names
     assert "apply (blocks/s)" in names
+
+
+def test_the_child_imports_the_kvstream_this_process_runs(tmp_path: Path) -> None:
+    argv, env = index_command(quick=True)
+    assert argv[:4] == [sys.executable, "-P", "-m", "kvstream.bench.index_measure"]
+    assert argv[4:] == ["--json", "--quick"]
+    # Run from a folder holding a decoy kvstream: the child still imports this one.
+    (tmp_path / "kvstream").mkdir()
+    (tmp_path / "kvstream" / "__init__.py").write_text("raise ImportError('decoy')\n")
+    probe = [*argv[:2], "-c", "import kvstream; print(kvstream.__file__)"]
+    done = subprocess.run(probe, env=env, cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == kvstream.__file__

@@ -8,13 +8,13 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_index import RecordingWorkload, Reference, _queries, head
 
 from kvstream import PrefixIndex, PrefixMatch
 from kvstream.errors import ConfigError
 from kvstream.events import BlockRemoved, BlockStored, EventBatch
 from kvstream.index.keys import vllm_extra_keys
 from kvstream.sim import SimulatedEngine
-from tests.test_index import RecordingWorkload, Reference, _queries, head
 
 B = 4
 T = list(range(100, 124))
@@ -34,7 +34,7 @@ def _batch(seq: int, events: list, origin: str = "a", epoch: str = "e", rank: in
     )
 
 
-def _stored(hashes: list[int], tokens: list[int], parent: int | None = None, **kw):  # type: ignore[no-untyped-def]
+def _stored(hashes: list[int | bytes], tokens: list[int], parent: int | None = None, **kw):  # type: ignore[no-untyped-def]
     return BlockStored(
         block_hashes=hashes,
         parent_block_hash=parent,

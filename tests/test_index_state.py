@@ -14,6 +14,7 @@ import anyio
 import msgspec
 import orjson
 import pytest
+from test_index import RecordingWorkload, _http, _post, _queries
 
 from kvstream import PrefixIndex
 from kvstream.codecs.json import JsonCodec
@@ -21,7 +22,6 @@ from kvstream.errors import ConfigError
 from kvstream.events import BlockStored, EventBatch
 from kvstream.index.http import QueryServer
 from kvstream.sim import SimulatedEngine
-from tests.test_index import RecordingWorkload, _http, _post, _queries
 
 B = 4
 
@@ -108,9 +108,9 @@ def test_dump_while_events_flow_then_resume_equals_never_stopping(max_blocks: in
     assert any(whole.match(r.token_ids) for r in workload.served[-12:])
     got, want = _comparable(second), _comparable(whole)
     assert got["duplicate_batches"] == want["duplicate_batches"] + 8  # type: ignore[operator]
-    for key in ("duplicate_batches",):
-        got.pop(key)
-        want.pop(key)
+    for name in ("duplicate_batches",):
+        got.pop(name)
+        want.pop(name)
     assert got == want
 
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstream import PrefixIndex
-from kvstream.events import BlockStored, EventBatch
+from kvstream.events import BlockStored, EventBatch, KVCacheEvent
 from kvstream.index.table import NodeTable
 
 
@@ -50,7 +50,7 @@ def test_holders_wider_than_64_bits_fall_back_to_the_dict() -> None:
     tokens = list(range(100, 100 + 4 * n))
     media = ["GPU", "CPU", "DISK", "EXTERNAL", "STORAGE"]
     for i in range(20):  # 20 streams (width 32) x 5 tiers: 160 bits of holders
-        events = [
+        events: list[KVCacheEvent] = [
             BlockStored(
                 block_hashes=list(range(1, n + 1)),
                 parent_block_hash=None,

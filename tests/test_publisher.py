@@ -112,7 +112,7 @@ def test_fields_kvstream_lacks_travel_in_metadata() -> None:
     assert isinstance(converted, BlockStored)
     assert converted.metadata == {"storage_tier": "SSD"}
     plain = BlockStoredAug2026([1, 2], None, [1, 2, 3, 4, 5, 6, 7, 8], 4, None, "CPU", None)
-    assert from_vllm_event(plain).metadata is None
+    assert from_vllm_event(plain).metadata is None  # type: ignore[attr-defined]
 
 
 def test_extra_keys_tuples_become_lists() -> None:

@@ -8,7 +8,7 @@ event, the bad events refused by name and the others published.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -18,6 +18,11 @@ import zmq
 from kvstream.codecs.msgpack import MsgpackCodec
 from kvstream.errors import ConfigError
 from kvstream.publisher import EventPublisher
+
+
+def hashes(events: Sequence[Any]) -> list[int]:
+    """The first block hash of every event (each a BlockStored here)."""
+    return [e.block_hashes[0] for e in events]
 
 
 def stored(i: int, **changes: Any) -> vllm.BlockStored:
@@ -42,7 +47,7 @@ class Wire:
         self.pub = EventPublisher.from_kv_events_config(
             {"endpoint": endpoint}, check=check, origin="engine"
         )
-        self.sub = zmq.Context.instance().socket(zmq.SUB)
+        self.sub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(endpoint)
         sink: Any = self.pub.scheduler.sinks[0]
@@ -54,7 +59,7 @@ class Wire:
     def payload(self) -> bytes:
         assert self.sub.poll(5000), "nothing published"
         _topic, _seq, payload = self.sub.recv_multipart()
-        return payload
+        return bytes(payload)
 
     def close(self) -> None:
         self.pub.shutdown()
@@ -74,9 +79,7 @@ def test_a_valid_step_goes_out_as_vllm_encodes_it(wire: Wire) -> None:
     step = [stored(i) for i in range(8)]
     wire.pub.publish(step)
     payload = wire.payload()
-    assert [e.block_hashes for e in vllm.decoder.decode(payload).events] == [
-        e.block_hashes for e in step
-    ]
+    assert hashes(vllm.decoder.decode(payload).events) == hashes(step)
     assert wire.pub.statistics().events_refused == 0
 
 
@@ -88,7 +91,7 @@ def test_a_wrong_field_in_the_first_or_last_event_is_refused_by_name(
     step[where] = stored(where, block_size="4")
     wire.pub.publish(step)
     got = vllm.decoder.decode(wire.payload()).events
-    assert [e.block_hashes[0] for e in got] == [i * 16 for i in range(8) if i != where]
+    assert hashes(got) == [i * 16 for i in range(8) if i != where]
     assert wire.pub.statistics().events_refused == 1
     assert "block_size" in caplog.text
 
@@ -100,7 +103,7 @@ def test_a_value_msgspec_cannot_write_anywhere_is_refused_the_rest_published(
     step[3] = stored(3, lora_name=object())  # the sample does not look at event 3
     wire.pub.publish(step)
     got = vllm.decoder.decode(wire.payload()).events
-    assert [e.block_hashes[0] for e in got] == [i * 16 for i in range(8) if i != 3]
+    assert hashes(got) == [i * 16 for i in range(8) if i != 3]
     # Refused on the loop ("all") or while encoding ("sample": counted by the sink).
     sink = wire.pub.scheduler.sinks[0]
     deadline = time.monotonic() + 10
@@ -119,7 +122,7 @@ def test_check_all_refuses_a_writable_wrong_type_in_the_middle() -> None:
         step[3] = stored(3, medium=7)
         w.pub.publish(step)
         got = vllm.decoder.decode(w.payload()).events
-        assert [e.block_hashes[0] for e in got] == [i * 16 for i in range(8) if i != 3]
+        assert hashes(got) == [i * 16 for i in range(8) if i != 3]
         assert w.pub.statistics().events_refused == 1
     finally:
         w.close()
@@ -136,7 +139,7 @@ def test_check_sample_sends_a_writable_wrong_type_in_the_middle_as_vllm_would() 
         payload = w.payload()
         codec = MsgpackCodec()
         batch = codec.decode(payload)
-        assert [e.block_hashes[0] for e in batch.events] == [i * 16 for i in range(8) if i != 3]
+        assert hashes(batch.events) == [i * 16 for i in range(8) if i != 3]
         assert codec.events_refused == 1
     finally:
         w.close()

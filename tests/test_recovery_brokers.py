@@ -262,7 +262,7 @@ async def test_a_late_consumer_gets_one_snapshot_per_origin_then_the_stream(
             assert all(isinstance(i, SnapshotBatch) for i in first)
             assert sorted(i.origin for i in first) == sorted(ORIGINS)
             for item in first:
-                consumer.keeper.apply(item)
+                consumer.keeper.apply(item)  # type: ignore[arg-type]
             await consumer.catch_up(publisher.reference)
             stats = sink.snapshots  # type: ignore[attr-defined]
             assert stats.published >= 40 // EVERY - len(ORIGINS)
@@ -287,7 +287,7 @@ async def test_a_live_consumer_left_behind_the_retention_is_repaired_by_a_snapsh
             await broker.trim(rng, always=True)
             await consumer.catch_up(publisher.reference)
             assert consumer.snapshots > cold  # the gaps were filled by snapshots
-            assert consumer.sub.tracker.gaps == 0
+            assert consumer.sub.tracker.gaps == 0  # type: ignore[attr-defined]
         finally:
             await consumer.sub.aclose()
 
@@ -441,7 +441,7 @@ async def test_a_snapshot_that_fails_half_way_leaves_the_last_one_whole(
             info = await client.jsm().stream_info("KV_SNAPSHOTS")
             assert info.state.messages > 4  # parts of the failed ones are there
             head = await client.jsm().get_last_msg("KV_SNAPSHOTS", snapshot_subjects("eng-a")[0])
-            resume = orjson.loads(head.data)["info"]["resume_seq"]
+            resume = orjson.loads(head.data)["info"]["resume_seq"]  # type: ignore[arg-type]
             assert resume < publisher.seq["eng-a"]  # ... and the head is an older, whole one
             await _publish(sink, publisher, 3)  # the stream goes on
         consumer = await _open_consumer(Broker("nats", server.port))

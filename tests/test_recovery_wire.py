@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstream import AllBlocksCleared, BlockStored, EventBatch
+from kvstream import AllBlocksCleared, BlockStored, EventBatch, KVCacheEvent
 from kvstream.config import open_sink, open_subscriber
 from kvstream.errors import ConfigError, DecodeError
 from kvstream.state import SnapshotSchedule, StateKeeper
@@ -25,7 +25,7 @@ from kvstream.wire.broker import (
 
 def _keeper(blocks: int) -> StateKeeper:
     k = StateKeeper()
-    events = [
+    events: list[KVCacheEvent] = [
         BlockStored(
             block_hashes=list(range(i, i + 100)),
             parent_block_hash=None,
@@ -165,8 +165,8 @@ def test_url_options_configure_snapshots_and_heartbeats() -> None:
     with pytest.raises(ConfigError, match="snapshot_stream"):
         open_sink("nats://127.0.0.1:4333?snapshot_every=1&snapshot_stream=a.b")
     sub = open_subscriber("nats://127.0.0.1:4333?heartbeats=true")
-    assert sub.heartbeats
-    assert sub.snapshots
+    assert sub.heartbeats  # type: ignore[attr-defined]
+    assert sub.snapshots  # type: ignore[attr-defined]
     assert not open_subscriber("nats://127.0.0.1:4333?from_seq=0").snapshots  # type: ignore[attr-defined]
     assert not open_subscriber("redis://127.0.0.1:6390/s?snapshots=false").snapshots  # type: ignore[attr-defined]
     with pytest.raises(ConfigError, match="durable consumer"):

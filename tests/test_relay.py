@@ -122,7 +122,7 @@ def workdir() -> Iterator[Path]:
 
 def engine_steps(n: int) -> list[list[KVCacheEvent]]:
     engine = SimulatedEngine(seed=11, gpu_blocks=48, cpu_blocks=96, remote_blocks=128)
-    steps = []
+    steps: list[list[KVCacheEvent]] = []
     while len(steps) < n:
         events = engine.step_events()
         if events:

@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import aclosing
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -38,7 +39,7 @@ from kvstream.testing import (
 
 pytestmark = pytest.mark.usefixtures("no_leaked_tasks")
 
-FAST_RETRY = {"retry_initial": 0.001, "retry_max": 0.01}
+FAST_RETRY: dict[str, Any] = {"retry_initial": 0.001, "retry_max": 0.01}
 
 
 def _caught_up(sink: Sink) -> bool:
@@ -76,7 +77,7 @@ async def test_a_source_that_raises_is_closed_and_reported_while_the_others_go_o
                 yield chunk
             healthy_done.set()
 
-        scheduler.add_source(healthy(), name="healthy")
+        scheduler.add_source(healthy(), name="healthy")  # type: ignore[arg-type]
         with anyio.fail_after(10):
             await healthy_done.wait()
         await wait_until(lambda: not broken.running, timeout=10)
@@ -145,7 +146,7 @@ async def test_a_source_returning_garbage_is_refused_at_the_edge(
     connector = _JunkConnector()
     async with Scheduler(sinks=[sink], origin="eng") as scheduler:
         bad = scheduler.add_source(garbage_source(stream.chunks(20, 10), junk), name="junk")
-        polled = scheduler.add_source(connector, name="junk-poll")
+        polled = scheduler.add_source(connector, name="junk-poll")  # type: ignore[arg-type]
         await wait_until(lambda: not bad.running, timeout=10)
         for i in range(5):
             scheduler.emit(stream.events(100 + i, 101 + i))
@@ -367,7 +368,7 @@ async def test_a_full_disk_is_reported_held_per_policy_and_resumed_when_space_re
     # once each; the only gap is what the policy dropped and counted.
     seen = StreamVerifier(stream, origin="eng", events_per_batch=per_batch)
     gaps: list[Gap] = []
-    async with FileSubscriber(path) as sub, aclosing(aiter(sub)) as items:
+    async with FileSubscriber(path) as sub, aclosing(aiter(sub)) as items:  # type: ignore[type-var]
         async for item in items:
             if isinstance(item, Gap):
                 gaps.append(item)

@@ -153,7 +153,7 @@ _CODECS: list[Any] = [
 def _round_trip(batch: EventBatch, codec: Any) -> EventBatch:
     data = codec.encode(batch)
     if isinstance(codec, MsgpackCodec):
-        return codec.decode(data, seq=batch.seq, origin=batch.origin, epoch=batch.epoch)  # type: ignore[no-any-return]
+        return codec.decode(data, seq=batch.seq, origin=batch.origin, epoch=batch.epoch)
     return codec.decode(data)  # type: ignore[no-any-return]
 
 
@@ -510,7 +510,7 @@ def test_zmq_frames_parse_or_raise_a_decode_error(frames: list[bytes]) -> None:
             continue
         if parse is vz.parse_replay_request:
             _identity, start = parsed  # type: ignore[misc]
-            assert 0 <= start < 2**64
+            assert 0 <= start < 2**64  # type: ignore[has-type]
         elif parsed is not None:
             assert 0 <= parsed.seq < 2**64 - 1  # type: ignore[attr-defined]
 

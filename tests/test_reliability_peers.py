@@ -16,7 +16,7 @@ import logging
 import socket
 import struct
 from collections.abc import Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
@@ -268,7 +268,7 @@ async def test_replay_is_bounded_by_the_ring_and_never_holds_up_live_publishing(
     assert len(gaps) == 1
     assert gaps[0].first_missing == 0
     assert [b.seq for b in replayed] == list(range(gaps[0].next_seq, produced))
-    codec_bytes = sum(len(sink.codec.encode(b)) for b in replayed)  # type: ignore[union-attr]
+    codec_bytes = sum(len(sink.codec.encode(b)) for b in replayed)  # type: ignore[union-attr, misc]
     assert codec_bytes <= ring  # never more than the ring holds
     assert len(replayed) < produced / 5
     # Whatever the stalled replayers cost, it was theirs: nothing dropped at the sink
@@ -309,7 +309,7 @@ async def test_a_socket_subscriber_skips_a_hostile_sinks_junk_and_logs_it_once_p
     got: list[int] = []
     async with listener, anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, serve)
-        async with SocketSubscriber(port=port, reconnect=False) as sub:
+        async with SocketSubscriber(port=port, reconnect=False) as sub:  # type: ignore[arg-type]
             with anyio.fail_after(20):
                 async for item in sub:
                     assert isinstance(item, EventBatch), item
@@ -329,6 +329,8 @@ async def test_a_socket_subscriber_skips_a_hostile_sinks_junk_and_logs_it_once_p
 
 zmq = pytest.importorskip("zmq")
 zmq_asyncio = pytest.importorskip("zmq.asyncio")
+if TYPE_CHECKING:
+    from zmq.asyncio import Socket as AsyncSocket
 
 from kvstream.codecs.msgpack import MsgpackCodec  # noqa: E402
 from kvstream.consumers.zmq import ZmqPublisher, ZmqSubscriber  # noqa: E402
@@ -343,9 +345,7 @@ def _free_port() -> int:
         return port
 
 
-async def _replay(
-    dealer: zmq_asyncio.Socket, start: int, *, timeout: float = 20
-) -> list[vz.ReplayBatch]:
+async def _replay(dealer: AsyncSocket, start: int, *, timeout: float = 20) -> list[vz.ReplayBatch]:
     """Ask for a replay from ``start``; every reply up to the end marker."""
     await dealer.send_multipart(vz.replay_request(start))
     out: list[vz.ReplayBatch] = []
@@ -471,7 +471,7 @@ async def test_a_zmq_subscriber_survives_a_hostile_publisher_that_goes_away_and_
         payload = codec.encode(EventBatch(seq=seq, ts=1.0, events=events))
         return vz.live_frames(b"", vz.pack_seq(seq), payload)
 
-    async def open_publisher() -> zmq_asyncio.Socket:
+    async def open_publisher() -> AsyncSocket:
         pub = ctx.socket(zmq.XPUB)
         pub.setsockopt(zmq.LINGER, 0)
         with anyio.fail_after(20):
@@ -484,7 +484,7 @@ async def test_a_zmq_subscriber_survives_a_hostile_publisher_that_goes_away_and_
                         raise
                     await anyio.sleep(0.05)
             assert (await pub.recv())[:1] == b"\x01"  # the subscriber is subscribed
-        return pub
+        return pub  # type: ignore[no-any-return]
 
     items: list[Any] = []
     got_all = anyio.Event()

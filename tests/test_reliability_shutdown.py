@@ -48,7 +48,7 @@ async def test_aclose_seals_and_delivers_everything_accepted() -> None:
             scheduler.emit(stream.events(n * 10, n * 10 + 10))
             await scheduler.tick()
         assert slow.statistics().queued_batches > 0  # the slow sink is behind
-        scheduler.add_source(source(), name="late")
+        scheduler.add_source(source(), name="late")  # type: ignore[arg-type]
         scheduler.emit(stream.events(2000, 2010))  # accepted, never ticked by the host
         with anyio.fail_after(10):
             await source_done.wait()

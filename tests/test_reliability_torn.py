@@ -53,7 +53,7 @@ async def test_a_run_appending_after_a_torn_line_keeps_its_first_batch(
     assert any("ended in a torn line" in r.getMessage() for r in caplog.records)
     batches, bad = await _read(path)
     assert bad == 1  # the torn line, skipped and counted
-    assert [(b.seq, b.events[0].block_hashes[0]) for b in batches] == [
+    assert [(b.seq, b.events[0].block_hashes[0]) for b in batches] == [  # type: ignore[attr-defined]
         (0, 1),
         (1, 2),
         (0, 10),  # the new run's first batch: not glued to the torn line

@@ -14,6 +14,7 @@ from typing import Any
 
 import anyio
 import pytest
+from waiting import wait_until
 
 from kvstream import (
     AllBlocksCleared,
@@ -42,13 +43,6 @@ def ev(i: int) -> BlockRemoved:
 
 def evs(*ids: int) -> list[KVCacheEvent]:
     return [ev(i) for i in ids]
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll ``predicate`` with a generous deadline (the deadline only catches hangs)."""
-    with anyio.fail_after(timeout):
-        while not predicate():  # noqa: ASYNC110 - polling another object's state
-            await anyio.sleep(0.001)
 
 
 _END = object()
@@ -183,7 +177,7 @@ async def test_host_events_come_first_then_inputs_in_the_order_they_were_added()
     a, c = Connector(), Connector()
     b = Controlled()
     async with Scheduler(origin="o") as s:
-        s.add_source(a)  # adapted automatically: it has take_events()
+        s.add_source(a)  # type: ignore[arg-type]  # adapted automatically: it has take_events()
         s.add_source(b)
         s.add_source(from_take_events(c, name="remote"))
         await b.push(evs(20, 21))
@@ -377,7 +371,7 @@ async def test_a_polled_connector_that_raises_is_reported_and_not_polled_again()
 
     broken = Broken()
     async with Scheduler(origin="o") as s:
-        h = s.add_source(broken)
+        h = s.add_source(broken)  # type: ignore[arg-type]
         s.emit(ev(1))
         b = await s.tick()
         assert b is not None
@@ -488,7 +482,7 @@ async def test_aclose_seals_what_is_pending_and_delivers_it() -> None:
     conn = Connector()
     async with Scheduler(sinks=[sink], origin="o") as s:
         s.add_source(src)
-        s.add_source(conn)
+        s.add_source(conn)  # type: ignore[arg-type]
         s.emit(ev(1))
         await src.push(ev(2))
         conn.pending = evs(3)

@@ -113,9 +113,11 @@ async def test_engine_feeds_a_scheduler_with_all_three_inputs() -> None:
     sink = MemorySink()
     engine = SimulatedEngine(seed=5, gpu_blocks=96, cpu_blocks=192, remote_blocks=384)
     async with Scheduler(sinks=[sink], origin="sim-a") as scheduler:
-        engine.attach(scheduler)
+        for source, name in engine.inputs():
+            scheduler.add_source(source, name=name)
         for _ in range(120):
-            await engine.astep(scheduler)
+            scheduler.emit(engine.run_step())
+            await engine.handed_over()
             await scheduler.tick()
         engine.close()
     report = check_consistency(sink.batches)
@@ -125,5 +127,5 @@ async def test_engine_feeds_a_scheduler_with_all_three_inputs() -> None:
     # Within a batch, the cache manager's events come first, then the connectors'.
     order = {"GPU": 0, "CPU": 1, "EXTERNAL": 2}
     for b in sink.batches:
-        ranks = [order[e.medium] for e in b.events if isinstance(e, BlockStored | BlockRemoved)]
+        ranks = [order[e.medium] for e in b.events if isinstance(e, BlockStored | BlockRemoved)]  # type: ignore[index]
         assert ranks == sorted(ranks)

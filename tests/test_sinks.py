@@ -6,13 +6,13 @@ import logging
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 import pytest
+from waiting import wait_until
 
 from kvstream import (
     AllBlocksCleared,
@@ -23,6 +23,7 @@ from kvstream import (
     EventBatch,
     FileSink,
     JsonCodec,
+    KVCacheEvent,
     MemorySink,
     QueueSink,
     Scheduler,
@@ -37,15 +38,10 @@ pytestmark = pytest.mark.usefixtures("no_leaked_tasks")
 
 
 def batch(seq: int, n_events: int = 1, origin: str = "o") -> EventBatch:
-    events = [BlockRemoved(block_hashes=[seq * 1000 + i]) for i in range(n_events)]
+    events: list[KVCacheEvent] = [
+        BlockRemoved(block_hashes=[seq * 1000 + i]) for i in range(n_events)
+    ]
     return EventBatch(seq=seq, ts=float(seq), events=events, origin=origin, epoch="e")
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll ``predicate`` with a generous deadline (the deadline only catches hangs)."""
-    with anyio.fail_after(timeout):
-        while not predicate():  # noqa: ASYNC110 - polling another object's state
-            await anyio.sleep(0.001)
 
 
 class GatedSink(Sink):
@@ -414,7 +410,7 @@ async def test_block_policy_makes_the_tick_wait_and_loses_nothing() -> None:
             await wait_until(lambda: s.statistics().ticks == 5)
             sink.gate.set()
     assert sink.seqs == [0, 1, 2, 3, 4]
-    assert [b.events[0].block_hashes for b in sink.batches] == [[i] for i in range(5)]
+    assert [b.events[0].block_hashes for b in sink.batches] == [[i] for i in range(5)]  # type: ignore[attr-defined]
     stats = sink.statistics()
     assert (stats.batches_dropped, stats.batches_in, stats.batches_out) == (0, 5, 5)
 

@@ -12,7 +12,7 @@ import socket
 import stat
 import struct
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -22,12 +22,13 @@ import anyio.abc
 import anyio.lowlevel
 import orjson
 import pytest
+from waiting import wait_until
 
 import kvstream
 from kvstream import BlockRemoved, BlockStored, EventBatch, Scheduler
 from kvstream.codecs.msgpack import MsgpackCodec
 from kvstream.config import open_sink, open_subscriber
-from kvstream.consumers.base import Gap, SubscriberItem
+from kvstream.consumers.base import Gap, Subscriber, SubscriberItem
 from kvstream.consumers.socket import SnapshotBatch, SocketSubscriber
 from kvstream.errors import ConfigError, DecodeError, TransportError
 from kvstream.sim import SimulatedEngine, check_consistency
@@ -62,7 +63,7 @@ async def produce(s: Scheduler, first: int, n: int, size: int = 1) -> None:
         await s.tick()
 
 
-async def take(sub: SocketSubscriber, n_batches: int) -> list[SubscriberItem]:
+async def take(sub: Subscriber, n_batches: int) -> list[SubscriberItem]:
     """Items until ``n_batches`` batches (snapshots count) have arrived."""
     items: list[SubscriberItem] = []
     got = 0
@@ -89,16 +90,6 @@ async def take_until(sub: SocketSubscriber, last_seq: int) -> list[SubscriberIte
 
 def seqs(items: list[SubscriberItem]) -> list[int]:
     return [i.seq for i in items if isinstance(i, EventBatch)]
-
-
-async def wait_until(predicate: Callable[[], bool], what: str) -> None:
-    """Poll ``predicate`` (state kept by another task) until true, or fail naming ``what``."""
-    try:
-        with anyio.fail_after(DEADLINE):
-            while not predicate():  # noqa: ASYNC110 - polling state, no event to wait on
-                await anyio.sleep(0.01)
-    except TimeoutError:
-        pytest.fail(f"timed out waiting for {what}")
 
 
 def port_of(sink: SocketSink) -> int:
@@ -529,7 +520,8 @@ async def _run_engine(
     engine: SimulatedEngine, s: Scheduler, steps: int, stop: anyio.Event | None = None
 ) -> None:
     for _ in range(steps):
-        await engine.astep(s)
+        s.emit(engine.run_step())
+        await engine.handed_over()
         await s.tick()
         await anyio.lowlevel.checkpoint()
         if stop is not None and stop.is_set():
@@ -547,7 +539,8 @@ async def test_resume_beyond_the_ring_with_a_snapshot_is_consistent() -> None:
     sink = SocketSink(port=0, ring_bytes=64 * 1024, subscriber_bytes=60 * 1024)
     sink.snapshot_provider = engine.snapshot
     async with Scheduler(sinks=[sink], origin=engine.origin) as s:
-        engine.attach(s)
+        for source, name in engine.inputs():
+            s.add_source(source, name=name)
         await _run_engine(engine, s, 150)
         sealed = s.statistics().next_seq[s.origin]
         await wait_until(lambda: sink.statistics().batches_out == sealed, "all in the ring")
@@ -589,7 +582,8 @@ async def test_without_a_tick_the_snapshot_falls_back_to_a_gap() -> None:
     sink = SocketSink(port=0, ring_bytes=16 * 1024, snapshot_timeout=0.2)
     sink.snapshot_provider = engine.snapshot
     async with Scheduler(sinks=[sink], origin=engine.origin) as s:
-        engine.attach(s)
+        for source, name in engine.inputs():
+            s.add_source(source, name=name)
         await _run_engine(engine, s, 60)
         sealed = s.statistics().next_seq[s.origin]
         await wait_until(lambda: sink.statistics().batches_out == sealed, "all in the ring")

@@ -228,7 +228,7 @@ def test_a_snapshot_batch_replaces_the_state_and_sets_the_position() -> None:
 
 # -- snapshot + the stream after it == the whole stream ------------------------------------
 
-_POOL = st.sampled_from([0, 1, 2, 3, 4, 5, b"\x07", -1])
+_POOL: st.SearchStrategy[int | bytes] = st.sampled_from([0, 1, 2, 3, 4, 5, b"\x07", -1])
 _MEDIA = st.sampled_from([None, "GPU", "CPU"])
 
 
@@ -247,7 +247,7 @@ def _random_event(draw: st.DrawFn) -> KVCacheEvent:
             block_size=size,
             medium=draw(_MEDIA),
             lora_name=draw(st.none() | st.just("l")),
-            extra_keys=draw(st.none() | st.just([["k"]] * n)),
+            extra_keys=draw(st.none() | st.just([["k"]] * n)),  # type: ignore[arg-type]
             group_idx=draw(st.none() | st.integers(0, 1)),
             locality=draw(st.none() | st.just("here")),
         )

@@ -44,7 +44,7 @@ def test_every_thread_side_tick_seals_exactly_its_steps_events(seed: int) -> Non
     n = 0
     expected: list[list[KVCacheEvent]] = []
     for step, size in enumerate(sizes):
-        want = [ev(n + j) for j in range(size)]
+        want: list[KVCacheEvent] = [ev(n + j) for j in range(size)]
         n += size
         if want:
             got = returned[step]
@@ -90,7 +90,7 @@ async def test_bad_input_is_refused_in_the_callers_thread() -> None:
     async with Scheduler(sinks=[MemorySink()], origin="engine") as s:
         handle = s.threadsafe()
         with pytest.raises(InvalidEventTypeError, match=r"emit\[1\]"):
-            await anyio.to_thread.run_sync(handle.emit, [ev(1), "not an event"])
+            await anyio.to_thread.run_sync(handle.emit, [ev(1), "not an event"])  # type: ignore[arg-type]
         with pytest.raises(ConfigError, match="max_pending"):
             ThreadsafeHandle(s, max_pending=0)
 

@@ -78,7 +78,7 @@ class Subscriber:
     def __init__(
         self, endpoints: list[str], replay: str | None, topic: str, *, bind: bool = False
     ) -> None:
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sub = self.ctx.socket(zmq.SUB)
         # vLLM's subscriber keeps ZMQ's default receive bound (1000 messages), which a
         # loaded machine overruns in the high-volume case; this one buffers what
@@ -230,7 +230,7 @@ def test_replay_mechanism(setup: tuple[EventPublisher, Subscriber, Config]) -> N
     sub.request_replay(10)
     replayed = sub.receive_replay()
     assert [seq for seq, _ in replayed] == list(range(10, 19))
-    assert replayed[0][1].events[0].block_hashes == [11]
+    assert replayed[0][1].events[0].block_hashes == [11]  # type: ignore[union-attr]
 
 
 def test_replay_includes_topic(setup: tuple[EventPublisher, Subscriber, Config]) -> None:
@@ -290,7 +290,7 @@ def test_high_volume(setup: tuple[EventPublisher, Subscriber, Config]) -> None:
 
     thread = threading.Thread(target=engine)
     thread.start()
-    received = []
+    received: list[Any] = []
     deadline = time.monotonic() + 20
     quiet = 0
     while len(received) < batches and time.monotonic() < deadline and quiet < 10:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -19,6 +19,7 @@ import pytest
 import vllm_wire as vllm
 import zmq
 import zmq.asyncio
+from waiting import wait_until
 
 import kvstream
 from kvstream.cli import zmq_sink_from_kv_events_config
@@ -97,18 +98,9 @@ def bound_sink(ipc_dir: str | None = None, **kw: Any) -> ZmqSink:
     return ZmqSink(f"ipc://{ipc_dir}/live.sock", **kw)
 
 
-async def wait_until(condition: Callable[[], bool], timeout: float = 15.0) -> None:
-    """Poll ``condition`` (a counter another task moves) until it holds."""
-    with anyio.fail_after(timeout):
-        while True:
-            if condition():
-                return
-            await anyio.sleep(0.005)
-
-
 async def recv(sock: zmq.asyncio.Socket, timeout: float = 10.0) -> list[bytes]:
     with anyio.fail_after(timeout):
-        return await sock.recv_multipart()  # type: ignore[no-any-return]
+        return await sock.recv_multipart()
 
 
 async def subscribe(
@@ -140,7 +132,7 @@ async def replay(
 
 async def read_replay(dealer: zmq.asyncio.Socket) -> list[tuple[bytes, int, bytes]]:
     """Every replayed message until the end marker, checking the topic layout."""
-    out = []
+    out: list[tuple[bytes, int, bytes]] = []
     while True:
         frames = await recv(dealer)
         assert len(frames) == 4, frames
@@ -862,7 +854,7 @@ def test_stream_gives_up_a_replay_that_times_out() -> None:
     assert s.on_timer(0.5) == []
     out = s.on_timer(1.5)
     assert _seqs(out) == [("gap", 1, 2), 2]
-    assert "timed out" in out[0].reason
+    assert "timed out" in out[0].reason  # type: ignore[union-attr]
     assert s.reset_dealer
     assert s.on_replay(wire.ReplayBatch(b"", 1, _p(1)), 1.6) == []  # late reply: ignored
     # While suspended, gaps are reported at once instead of waiting again.
@@ -918,7 +910,7 @@ def test_event_publisher_drop_in(short_dir: str) -> None:
                 if sink.zmq_statistics().subscriptions:
                     break
                 time.sleep(0.01)
-            events = [
+            events: list[vllm.BlockStored | vllm.BlockRemoved | vllm.AllBlocksCleared] = [
                 vllm.BlockStored([11], None, [1, 2, 3, 4], 4, None, "GPU", None),
                 vllm.BlockRemoved([11], "GPU"),
             ]

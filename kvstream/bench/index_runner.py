@@ -1,30 +1,42 @@
-"""The prefix index's numbers (issue item 7), from `benchmarks/bench_index.py`.
+"""The prefix index's numbers (issue item 7), from `kvstream.bench.index_measure`.
 
-The index benchmark is its own script (it lives beside the others in
-`benchmarks/`, which is not installed); the suite runs it in a child process
-when it is found in a source checkout and turns its JSON into table rows.
+The suite runs the index benchmark in a child process (its memory and CPU
+time are then its own) and turns its JSON into table rows. The child imports
+the very `kvstream` this process runs (`index_command()`), whether installed
+or from a source tree, so nothing is looked up by a path relative to a file.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import kvstream
 from kvstream.bench.results import Result, Row
 
-__all__ = ["bench_index", "index_script"]
+__all__ = ["bench_index", "index_command"]
 
 Progress = Callable[[], None]
 
+MODULE = "kvstream.bench.index_measure"
 
-def index_script() -> Path | None:
-    """`benchmarks/bench_index.py` of the source checkout this package runs from, if any."""
-    root = Path(__file__).resolve().parent.parent.parent
-    script = root / "benchmarks" / "bench_index.py"
-    return script if script.is_file() else None
+
+def index_command(quick: bool) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of the child that runs the index benchmark.
+
+    `-P` keeps the working directory off the child's `sys.path`, and the
+    folder this process imported `kvstream` from goes first on its
+    `PYTHONPATH`: the child measures the same code.
+    """
+    home = str(Path(kvstream.__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (home, env.get("PYTHONPATH")) if p)
+    argv = [sys.executable, "-P", "-m", MODULE, "--json"] + (["--quick"] if quick else [])
+    return argv, env
 
 
 def _rows(data: dict[str, Any]) -> list[Row]:
@@ -122,15 +134,11 @@ def _rows(data: dict[str, Any]) -> list[Row]:
 
 async def bench_index(quick: bool, progress: Progress | None = None) -> Result:
     result = Result("index", "Prefix index (benchmarks/bench_index.py)")
-    script = index_script()
-    if script is None:
-        result.skipped = "not available (benchmarks/bench_index.py: run from a source checkout)"
-        return result
-    argv = [sys.executable, str(script), "--json"] + (["--quick"] if quick else [])
+    argv, env = index_command(quick)
     import anyio
 
     try:
-        done = await anyio.run_process(argv, check=False)
+        done = await anyio.run_process(argv, check=False, env=env)
     except OSError as exc:
         result.skipped = f"not available ({exc})"
         return result
@@ -145,7 +153,7 @@ async def bench_index(quick: bool, progress: Progress | None = None) -> Result:
         return result
     result.rows = _rows(data)
     result.data = {
-        "command": " ".join(["python", "benchmarks/bench_index.py", *argv[2:]]),
+        "command": " ".join(["python", "benchmarks/bench_index.py", *argv[4:]]),
         "output": data,
     }
     if progress is not None:

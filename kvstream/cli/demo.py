@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 from collections import Counter
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 import anyio.lowlevel
@@ -32,6 +32,9 @@ from kvstream.sim import SimulatedEngine
 from kvstream.sinks.base import Sink
 from kvstream.sinks.file import FileSink
 from kvstream.wire.vllm_zmq import should_bind
+
+if TYPE_CHECKING:
+    from kvstream.sinks.socket import SocketSink
 
 __all__ = ["register", "run"]
 
@@ -152,6 +155,15 @@ def _zmq_sinks(sinks: list[Sink]) -> list[Any]:
     return [s for s in sinks if isinstance(s, module.ZmqSink)]
 
 
+def _socket_sinks(sinks: list[Sink]) -> list[SocketSink]:
+    """The sinks that serve snapshots: socket sinks (their module is loaded if one exists)."""
+    if "kvstream.sinks.socket" not in sys.modules:
+        return []
+    from kvstream.sinks.socket import SocketSink
+
+    return [s for s in sinks if isinstance(s, SocketSink)]
+
+
 def _rule(sink: Any) -> str:
     """How the sink attaches (a bound endpoint shows its resolved address, no '*')."""
     if sink.bind:
@@ -224,9 +236,9 @@ async def run(args: argparse.Namespace) -> int:
         reset_every=args.reset_every or None,
         origin=args.origin,
     )
-    for sink in sinks:
-        if getattr(sink, "snapshot_provider", False) is None:
-            sink.snapshot_provider = engine.snapshot  # type: ignore[attr-defined]
+    for socket_sink in _socket_sinks(sinks):  # the engine's state for far-behind subscribers
+        if socket_sink.snapshot_provider is None:
+            socket_sink.snapshot_provider = engine.snapshot
     counts: Counter[tuple[str, str | None]] = Counter()
     batches = 0
     last_seq: int | None = None
@@ -247,7 +259,8 @@ async def run(args: argparse.Namespace) -> int:
     ):
         if metrics is not None:
             metrics.collector.add(scheduler)
-        engine.attach(scheduler)
+        for source, name in engine.inputs():  # the engine's connectors
+            scheduler.add_source(source, name=name)
         print(
             f"kvstream demo: origin {scheduler.origin} epoch {scheduler.epoch} -> "
             + ", ".join(s.name for s in sinks),
@@ -293,7 +306,8 @@ async def run(args: argparse.Namespace) -> int:
             next_at = anyio.current_time()
             while args.steps == 0 or step < args.steps:
                 step += 1
-                await engine.astep(scheduler)
+                scheduler.emit(engine.run_step())  # the cache manager's own events
+                await engine.handed_over()  # the CPU offload's events are in this batch
                 batch = await scheduler.tick()
                 if batch is not None:
                     batches += 1

@@ -38,6 +38,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Final, Literal, TypeAlias
 
+import msgspec
+
 from kvstream.errors import ConfigError, DecodeError, shorten
 from kvstream.events import (
     WIRE_KEY,
@@ -288,21 +290,40 @@ def _cleared_pos(e: AllBlocksCleared) -> Any:
     return ["AllBlocksCleared"]
 
 
+# llm-d-kv-cache v0.4.0 (its release of Nov 2025, unchanged on main through
+# Dec 2025) decodes with vmihailenco/msgpack v5.4.1: an event's fields after the
+# tag must be exactly as many as its Go struct has (BlockStored 6, BlockRemoved 2,
+# AllBlocksCleared 0), and a hash decoded into `any` becomes a uint64 only from
+# msgpack's uint 64 or int 64 (or bin) forms: a hash written in fewer bytes is
+# dropped by that reader, and a short parent hash drops its event.
+_UINT64: Final = b"\xcf"
+_INT64: Final = b"\xd3"
+
+
+def _hash_64(h: int | bytes) -> Any:
+    """A hash as llm-d's Dec-2025 reader takes it: an int in its 9-byte form, bytes as they are."""
+    if isinstance(h, bytes):
+        return h
+    if h >= 0:
+        return msgspec.Raw(_UINT64 + h.to_bytes(8, "big"))
+    return msgspec.Raw(_INT64 + h.to_bytes(8, "big", signed=True))
+
+
 def _llm_d_stored(e: BlockStored) -> Any:
+    parent = e.parent_block_hash
     return [
         "BlockStored",
-        e.block_hashes,
-        e.parent_block_hash,
+        [_hash_64(h) for h in e.block_hashes],
+        None if parent is None else _hash_64(parent),
         e.token_ids,
         e.block_size,
         e.lora_id,
         e.medium,
-        e.lora_name,
     ]
 
 
 def _llm_d_removed(e: BlockRemoved) -> Any:
-    return ["BlockRemoved", e.block_hashes, e.medium]
+    return ["BlockRemoved", [_hash_64(h) for h in e.block_hashes], e.medium]
 
 
 _ToWire: TypeAlias = Callable[[Any], Any]
@@ -322,8 +343,8 @@ ENCODERS: Final[dict[str, dict[type, _ToWire]]] = {
         BlockRemoved: _sglang_pos_removed,
         AllBlocksCleared: _cleared_pos,
     },
-    # llm-d-kv-cache's decoder of Dec 2025: the positional layout of the vLLM
-    # releases before extra_keys (BlockStored tag + 7, BlockRemoved tag + 2).
+    # llm-d-kv-cache's decoder of Dec 2025 (v0.4.0): tagged arrays of exactly
+    # BlockStored tag + 6, BlockRemoved tag + 2, AllBlocksCleared tag; 64-bit hashes.
     "llm-d-2025-12": {
         BlockStored: _llm_d_stored,
         BlockRemoved: _llm_d_removed,

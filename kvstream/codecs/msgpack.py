@@ -12,7 +12,7 @@ structs write:
 * `map` (current vLLM, the default): `{"type": "BlockStored", ...}`. The
   seven fields vLLM declares without a default are always present; the later,
   optional ones only when set.
-* `positional` (legacy vLLM, SGLang, older llm-d decoders): an array, tag
+* `positional` (legacy vLLM, SGLang): an array, tag
   first, then every field in declaration order, trailing nils included, laid
   out as vLLM did before `locality` existed (`BlockStored` 12 elements,
   `BlockRemoved` 4). An event whose `locality` is set gets the later,

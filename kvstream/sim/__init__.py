@@ -1,7 +1,12 @@
 """A simulated prefix-cache engine: the demo's and the benchmarks' workload."""
 
 from kvstream.sim.check import ConsistencyError, ConsistencyReport, check_consistency
-from kvstream.sim.engine import CpuOffloadConnector, RemoteStoreConnector, SimulatedEngine
+from kvstream.sim.engine import (
+    CpuOffloadConnector,
+    EngineInput,
+    RemoteStoreConnector,
+    SimulatedEngine,
+)
 from kvstream.sim.tiers import block_hash
 from kvstream.sim.workload import Request, Workload
 
@@ -9,6 +14,7 @@ __all__ = [
     "ConsistencyError",
     "ConsistencyReport",
     "CpuOffloadConnector",
+    "EngineInput",
     "RemoteStoreConnector",
     "Request",
     "SimulatedEngine",

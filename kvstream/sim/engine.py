@@ -12,16 +12,29 @@
   a remote store (medium `EXTERNAL`); it is written vLLM-style, with
   `take_events()`, and polled by the scheduler once per tick.
 
-Feed a scheduler with `SimulatedEngine.attach()` and `astep()`, or take
-each step's events synchronously with `step_events()` (for pre-generating
-benchmark input).
+The engine produces events and connectors; whoever hosts it wires them (as
+`kvstream demo` does): add `SimulatedEngine.inputs()` to a scheduler once,
+then per step emit what `run_step()` returns (the cache manager's own events),
+`await handed_over()` (the CPU offload stream has yielded that step's blocks)
+and tick:
+
+    for source, name in engine.inputs():
+        scheduler.add_source(source, name=name)
+    while running:
+        scheduler.emit(engine.run_step())
+        await engine.handed_over()
+        await scheduler.tick()
+    engine.close()
+
+Or take each step's events synchronously with `step_events()` (for
+pre-generating benchmark input).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import anyio
 
@@ -29,12 +42,20 @@ from kvstream.errors import ConfigError
 from kvstream.events import AllBlocksCleared, BlockRemoved, KVCacheEvent
 from kvstream.sim.tiers import BlockInfo, Registry, Tier, block_hash
 from kvstream.sim.workload import Request, Workload
-from kvstream.sources.base import from_take_events
+from kvstream.sources.base import PolledConnector, from_take_events
 
-if TYPE_CHECKING:
-    from kvstream.scheduler import Scheduler
+__all__ = ["CpuOffloadConnector", "EngineInput", "RemoteStoreConnector", "SimulatedEngine"]
 
-__all__ = ["CpuOffloadConnector", "RemoteStoreConnector", "SimulatedEngine"]
+
+class EngineInput(NamedTuple):
+    """One of the engine's connectors as a scheduler input.
+
+    `scheduler.add_source(source, name=name)`; `name` None lets the scheduler
+    name it after the source.
+    """
+
+    source: AsyncIterator[list[KVCacheEvent]] | PolledConnector
+    name: str | None = None
 
 
 class RemoteStoreConnector:
@@ -245,7 +266,7 @@ class SimulatedEngine:
         self.remote._pending.clear()
         self._gpu_events.append(AllBlocksCleared())
 
-    # -- feeding a scheduler -----------------------------------------------------------
+    # -- what a host wires into a scheduler -------------------------------------------
 
     def step_events(self) -> list[KVCacheEvent]:
         """Run `step()` and return all its events in batch order, synchronously."""
@@ -259,23 +280,35 @@ class SimulatedEngine:
         for _ in range(n):
             yield self.step_events()
 
-    def attach(self, scheduler: Scheduler) -> None:
-        """Add the CPU offload stream and the remote connector as this engine's sources."""
-        if scheduler.origin != self.origin:
-            self.origin = scheduler.origin
-        scheduler.add_source(self.cpu.events(), name="cpu-offload")
-        scheduler.add_source(from_take_events(self.remote, name="remote-store"))
+    def inputs(self) -> list[EngineInput]:
+        """The engine's connectors as scheduler inputs; add each once, for one run.
 
-    async def astep(self, scheduler: Scheduler, requests: list[Request] | None = None) -> None:
-        """One step: GPU events to `scheduler.emit`, CPU events through the async
-        source (waited for, so they make this step's batch). Then call `tick()`."""
+        The CPU offload's async event stream (`cpu-offload`) and the remote
+        store's `take_events()`, polled once per tick (`remote-store`).
+        """
+        return [
+            EngineInput(self.cpu.events(), "cpu-offload"),
+            EngineInput(from_take_events(self.remote, name="remote-store")),
+        ]
+
+    def run_step(self, requests: list[Request] | None = None) -> list[KVCacheEvent]:
+        """One step (the workload's next requests, or `requests`): the GPU pool's events.
+
+        Those are the cache manager's own events, for the host to emit ahead of
+        the connectors'; the connectors' events reach the scheduler through
+        `inputs()`.
+        """
         if requests is None:
             self.step()
         else:
             self.serve(requests)
-        events = self.take_gpu_events()
-        if events:
-            scheduler.emit(events)
+        return self.take_gpu_events()
+
+    async def handed_over(self) -> None:
+        """Wait until the CPU offload stream has yielded every block evicted so far.
+
+        After it, a tick puts the step's offload events in the step's batch.
+        """
         await self.cpu.wait_idle()
 
     def close(self) -> None:

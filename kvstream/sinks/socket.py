@@ -138,6 +138,9 @@ class SocketSinkStatistics(NamedTuple):
     ring_batches: int
     ring_bytes: int
     ring_max_bytes: int
+    #: Batches and snapshots not sent because they exceeded their subscriber's
+    #: `max_message_bytes` (each sent as a gap notice, reason `too_large`).
+    too_large: int = 0
 
 
 class SocketSink(Sink):
@@ -520,6 +523,17 @@ class SocketSink(Sink):
                 continue
             if sub.snapshots:
                 snapshot, first_missing = sub.snapshots.pop(0)
+                size = snapshot.largest_message(fanout.codec, first_missing)
+                if size > sub.max_message:
+                    fanout.too_large_for(
+                        sub,
+                        snapshot.origin,
+                        snapshot.epoch,
+                        first_missing,
+                        snapshot.next_seq,
+                        size,
+                    )
+                    continue
                 chunk = snapshot.encoded(fanout.codec, first_missing)
                 self._snapshots_sent += 1
                 await stream.send(chunk)
@@ -569,6 +583,7 @@ class SocketSink(Sink):
             ring_batches=len(fanout.ring),
             ring_bytes=fanout.ring.bytes,
             ring_max_bytes=self.ring_bytes,
+            too_large=fanout.too_large,
         )
 
     def subscriber_statistics(self) -> tuple[SubscriberStatistics, ...]:

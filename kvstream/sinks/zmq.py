@@ -278,7 +278,7 @@ class ZmqSink(Sink):
         self._unroutable = 0
         self._replay_requests = 0
         self._replay_malformed = 0
-        self._malformed_burst = False
+        self._malformed_log = BurstLog(log)
         self._replay_busy = 0
         self._busy_log = BurstLog(log)
         self._abandon_log = BurstLog(log)
@@ -512,11 +512,8 @@ class ZmqSink(Sink):
                 identity, start_seq = parse_replay_request(frames)
             except DecodeError as exc:
                 self._replay_malformed += 1
-                if not self._malformed_burst:
-                    self._malformed_burst = True
-                    log.warning("%s: malformed replay request ignored: %s", self.name, exc)
+                self._malformed_log.log("%s: malformed replay request ignored: %s", self.name, exc)
                 continue
-            self._malformed_burst = False
             self._replay_requests += 1
             replies = self._replies
             if identity not in replies and len(replies) >= self.max_replay_clients:

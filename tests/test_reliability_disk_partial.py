@@ -14,10 +14,9 @@ import os
 from contextlib import aclosing
 from pathlib import Path
 
-import anyio
 import pytest
 from servers import wait_until
-from test_reliability_faults import FAST_RETRY, _caught_up, _fill, tiny_disk
+from test_reliability_faults import FAST_RETRY, DiskProducer, _caught_up, _fill, tiny_disk
 
 from kvstream import FileSink, JsonCodec, Scheduler
 from kvstream.consumers.base import Gap
@@ -41,24 +40,13 @@ async def test_space_that_partly_returns_takes_the_whole_batches_that_fit(
     stream = SeededEvents(9)
     path = tiny_disk / "events.jsonl"
     sink = FileSink(path, policy="block", max_batches=400, name="disk", **FAST_RETRY)
-    seq = 0
     async with Scheduler(sinks=[sink], origin="eng") as scheduler:
-
-        async def produce(n: int) -> None:
-            nonlocal seq
-            for _ in range(n):
-                scheduler.emit(stream.events(seq * PER_BATCH, (seq + 1) * PER_BATCH))
-                seq += 1
-                await scheduler.tick()
-
-        await produce(5)
+        producer = DiskProducer(scheduler, stream, PER_BATCH)
+        await producer.produce(5)
         await wait_until(lambda: _caught_up(sink))
         ballast = _fill(tiny_disk)
-        with anyio.fail_after(10):
-            while sink.statistics().healthy:  # the file's last page may take a few lines
-                await produce(1)
-                await anyio.sleep(0.005)
-        await produce(150)  # far more than the room that comes back below
+        await producer.until_unhealthy(sink)
+        await producer.produce(150)  # far more than the room that comes back below
         held = sink.statistics().queued_batches
         on_disk = _lines(path)
         assert held > 100
@@ -77,8 +65,9 @@ async def test_space_that_partly_returns_takes_the_whole_batches_that_fit(
 
         ballast.unlink()  # the rest of the room returns
         await wait_until(lambda: _caught_up(sink))
-        await produce(5)
+        await producer.produce(5)
         report = await scheduler.aclose(timeout=10)
+    seq = producer.seq
 
     assert report.complete
     st = sink.statistics()

@@ -15,8 +15,10 @@ import anyio.abc
 import orjson
 import pytest
 from servers import wait_until
+from test_reliability_oversize import seqs_until
+from test_reliability_peers import read_until_closed
 
-from kvstream import EventBatch, Scheduler
+from kvstream import Scheduler
 from kvstream.consumers.socket import SocketSubscriber
 from kvstream.errors import ConfigError, TransportError
 from kvstream.sinks.socket import DEFAULT_MAX_PENDING_HELLOS, SocketSink
@@ -27,17 +29,6 @@ pytestmark = pytest.mark.usefixtures("no_leaked_tasks")
 
 def _port(sink: SocketSink) -> int:
     return int(sink.address.rsplit(":", 1)[1])
-
-
-async def _read_all(stream: anyio.abc.ByteStream) -> bytes:
-    got = bytearray()
-    with anyio.fail_after(10):
-        try:
-            while True:
-                got += await stream.receive()
-        except (anyio.EndOfStream, anyio.BrokenResourceError):
-            pass
-    return bytes(got)
 
 
 async def test_64_connections_without_a_hello_do_not_keep_a_subscriber_out() -> None:
@@ -55,19 +46,12 @@ async def test_64_connections_without_a_hello_do_not_keep_a_subscriber_out() -> 
                 for n in range(5):
                     scheduler.emit(events.events(n * 4, (n + 1) * 4))
                     await scheduler.tick()
-                seqs = []
-                with anyio.fail_after(20):
-                    async for item in sub:
-                        assert isinstance(item, EventBatch), item
-                        seqs.append(item.seq)
-                        if item.seq == 4:
-                            break
-            assert seqs == [0, 1, 2, 3, 4]
+                assert await seqs_until(sub, 4) == [0, 1, 2, 3, 4]
             stats = sink.server_statistics()
             assert stats.hellos_evicted == evicted + 1  # the subscriber made room too
             assert stats.connections_accepted == 1
             # The oldest idle connection was told why, in one error line, and closed.
-            reply = await _read_all(idle[0])
+            reply = await read_until_closed(idle[0])
             first = orjson.loads(reply.split(b"\n", 1)[0])
             assert first["type"] == "error"
             assert first["code"] == "busy"

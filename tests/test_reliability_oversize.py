@@ -43,6 +43,18 @@ def _blocks(n: int, start: int = 0) -> list[BlockStored]:
     ]
 
 
+async def seqs_until(sub: SocketSubscriber, last: int) -> list[int]:
+    """The seqs of the batches `sub` yields up to `last` (any other item fails)."""
+    seqs = []
+    with anyio.fail_after(20):
+        async for item in sub:
+            assert isinstance(item, EventBatch), item
+            seqs.append(item.seq)
+            if item.seq == last:
+                break
+    return seqs
+
+
 def _port(sink: SocketSink) -> int:
     return int(sink.address.rsplit(":", 1)[1])
 
@@ -107,13 +119,7 @@ async def test_a_subscriber_with_the_default_cap_gets_every_batch_and_says_nothi
             for i in range(3):
                 scheduler.emit(_blocks(400, start=1000 * i))
                 await scheduler.tick()
-            seqs = []
-            with anyio.fail_after(20):
-                async for item in sub:
-                    assert isinstance(item, EventBatch), item
-                    seqs.append(item.seq)
-                    if item.seq == 2:
-                        break
+            seqs = await seqs_until(sub, 2)
         await scheduler.aclose()
     assert seqs == [0, 1, 2]
     assert sink.server_statistics().too_large == 0
@@ -126,3 +132,37 @@ def test_a_hello_with_a_bad_message_cap_is_refused_naming_the_field(value: objec
     assert info.value.code == "bad_hello"
     assert sp.parse_hello(b'{"max_message_bytes": 1024}').max_message_bytes == 1024
     assert sp.parse_hello(b"{}").max_message_bytes == sp.DEFAULT_MAX_MESSAGE_BYTES
+
+
+async def test_a_snapshot_over_the_cap_becomes_a_gap_up_to_where_it_stood() -> None:
+    """A snapshot part bigger than the subscriber reads is a gap to the snapshot's seq."""
+    from kvstream.events import AllBlocksCleared
+
+    def state() -> list[AllBlocksCleared | BlockStored]:
+        return [AllBlocksCleared(), *_blocks(200)]  # one part of about 38 KB
+
+    sink = SocketSink(port=0, ring_bytes=2048)  # holds only the last few batches
+    sink.snapshot_provider = state
+    got: list[EventBatch | Gap] = []
+    async with Scheduler(sinks=[sink], origin="eng") as scheduler:
+        for i in range(20):
+            scheduler.emit(_blocks(1, start=10_000 + i))
+            await scheduler.tick()
+        sub = SocketSubscriber(port=_port(sink), from_seq=0, max_message_bytes=CAP)
+        async with sub:
+            with anyio.fail_after(20):
+                while not got or not isinstance(got[-1], EventBatch):
+                    scheduler.emit(_blocks(1, start=20_000 + len(got)))
+                    await scheduler.tick()  # the snapshot is taken at a tick
+                    with anyio.move_on_after(0.05):
+                        got.append(await sub.__anext__())
+            stats = sub.statistics()
+        await scheduler.aclose()
+    gap = got[0]
+    assert isinstance(gap, Gap)
+    assert (gap.first_missing, gap.reason) == (0, "too_large")
+    assert got[-1].seq == gap.next_seq  # the next batch follows where the snapshot stood
+    assert stats.connections == 1
+    assert stats.snapshots == 0
+    server = sink.server_statistics()
+    assert (server.too_large, server.snapshots_sent) == (1, 0)

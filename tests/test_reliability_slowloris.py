@@ -15,6 +15,7 @@ import anyio
 import anyio.abc
 import pytest
 from servers import wait_until
+from test_reliability_peers import _talk
 
 from kvstream.wire.http import HttpLimits, HttpServer, Request, Response
 
@@ -26,15 +27,7 @@ async def _ok(request: Request) -> Response:
 
 
 async def _get(port: int) -> int:
-    async with await anyio.connect_tcp("127.0.0.1", port) as stream:
-        await stream.send(b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
-        got = bytearray()
-        with anyio.fail_after(10):
-            try:
-                while True:
-                    got += await stream.receive()
-            except (anyio.EndOfStream, anyio.BrokenResourceError):
-                pass
+    got = await _talk(port, b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
     return int(got.split(b" ", 2)[1])
 
 

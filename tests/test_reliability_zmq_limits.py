@@ -13,13 +13,13 @@
 from __future__ import annotations
 
 import logging
-import socket
 
 import anyio
 import pytest
 import zmq
 import zmq.asyncio
 from servers import wait_until
+from test_reliability_peers import _free_port
 
 from kvstream import Scheduler
 from kvstream.codecs.msgpack import MsgpackCodec
@@ -100,13 +100,6 @@ async def test_the_cap_is_a_url_option_and_a_bad_one_is_refused() -> None:
     assert default.max_message_bytes == DEFAULT_MAX_MESSAGE_BYTES == 64 << 20
     with pytest.raises(ConfigError, match="max_message_bytes"):
         ZmqSubscriber(ZmqPublisher("tcp://127.0.0.1:5599"), max_message_bytes=10)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 async def test_refused_replay_requests_are_logged_once_per_burst(

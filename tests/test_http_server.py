@@ -152,8 +152,8 @@ async def test_a_new_connection_is_refused_when_every_slot_is_mid_request() -> N
     async with HttpServer(_echo, port=0, limits=limits) as server:
         busy = [await anyio.connect_tcp("127.0.0.1", server.port) for _ in range(2)]
         try:
-            for stream in busy:
-                await stream.send(b"GET / HTTP/1.1\r\n")  # mid-head: not evictable
+            for stream in busy:  # past the head, mid-body: not evictable
+                await stream.send(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 4\r\n\r\nab")
             await wait_until(lambda: server.statistics().connections == 2)
             await anyio.sleep(0.05)
             status, body = await _exchange(server.port, _get())
@@ -162,8 +162,8 @@ async def test_a_new_connection_is_refused_when_every_slot_is_mid_request() -> N
             assert server.statistics().connections_refused == 1
             # The busy ones finish their requests and are answered.
             for stream in busy:
-                await stream.send(b"Host: t\r\n\r\n")
-                assert await _read_response(stream) == (200, b"GET / 0")
+                await stream.send(b"cd")
+                assert await _read_response(stream) == (200, b"POST / 4")
         finally:
             for stream in busy:
                 await stream.aclose()

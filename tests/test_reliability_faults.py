@@ -312,6 +312,31 @@ def _fill(folder: Path) -> Path:
     return ballast
 
 
+class DiskProducer:
+    """Ticks batches of `per_batch` seeded events into a file sink filling its disk."""
+
+    def __init__(self, scheduler: Scheduler, stream: SeededEvents, per_batch: int) -> None:
+        self.scheduler = scheduler
+        self.stream = stream
+        self.per_batch = per_batch
+        #: batches made so far (the next seq)
+        self.seq = 0
+
+    async def produce(self, n: int) -> None:
+        for _ in range(n):
+            first = self.seq * self.per_batch
+            self.scheduler.emit(self.stream.events(first, first + self.per_batch))
+            self.seq += 1
+            await self.scheduler.tick()
+
+    async def until_unhealthy(self, sink: FileSink) -> None:
+        """Fill the file's last page (it may take a few lines) until the sink fails."""
+        with anyio.fail_after(10):
+            while sink.statistics().healthy:
+                await self.produce(1)
+                await anyio.sleep(0.005)
+
+
 async def _wait_healthy(sink: FileSink) -> None:
     await wait_until(lambda: _caught_up(sink), timeout=20)
 
@@ -325,27 +350,13 @@ async def test_a_full_disk_is_reported_held_per_policy_and_resumed_when_space_re
     per_batch = 4
     path = tiny_disk / "events.jsonl"
     sink = FileSink(path, policy=policy, max_batches=20, name="disk", **FAST_RETRY)
-    seq = 0
     async with Scheduler(sinks=[sink], origin="eng") as scheduler:
-
-        async def produce(n: int) -> None:
-            nonlocal seq
-            for _ in range(n):
-                scheduler.emit(stream.events(seq * per_batch, (seq + 1) * per_batch))
-                seq += 1
-                await scheduler.tick()
-
-        await produce(10)
+        producer = DiskProducer(scheduler, stream, per_batch)
+        await producer.produce(10)
         await _wait_healthy(sink)
         ballast = _fill(tiny_disk)
-
-        # The file's last page may have room for a few more lines; then the sink
-        # notices and reports itself unhealthy.
-        with anyio.fail_after(10):
-            while sink.statistics().healthy:
-                await produce(1)
-                await anyio.sleep(0.005)
-        await produce(15 if policy == "block" else 60)  # block: fits the outbox
+        await producer.until_unhealthy(sink)
+        await producer.produce(15 if policy == "block" else 60)  # block: fits the outbox
         st = sink.statistics()
         assert not st.healthy
         assert st.send_errors > 0
@@ -357,8 +368,9 @@ async def test_a_full_disk_is_reported_held_per_policy_and_resumed_when_space_re
 
         ballast.unlink()  # space returns
         await _wait_healthy(sink)
-        await produce(10)
+        await producer.produce(10)
         report = await scheduler.aclose(timeout=10)
+    seq = producer.seq
 
     assert report.complete
     st = sink.statistics()

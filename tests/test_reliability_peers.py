@@ -51,6 +51,18 @@ def _port(sink: SocketSink) -> int:
     return int(sink.address.rsplit(":", 1)[1])
 
 
+async def read_until_closed(stream: anyio.abc.ByteStream) -> bytes:
+    """Everything the peer sends until it closes the connection (at most 20 s)."""
+    got = bytearray()
+    with anyio.fail_after(20):
+        try:
+            while True:
+                got += await stream.receive()
+        except (anyio.EndOfStream, anyio.BrokenResourceError):
+            pass
+    return bytes(got)
+
+
 async def _talk(port: int, data: bytes, *, then_wait: bool = True) -> bytes:
     """Connect, send ``data``, and read until the sink closes the connection."""
     async with await anyio.connect_tcp("127.0.0.1", port) as stream:
@@ -58,14 +70,7 @@ async def _talk(port: int, data: bytes, *, then_wait: bool = True) -> bytes:
             await stream.send(data)
         if not then_wait:
             return b""
-        got = bytearray()
-        with anyio.fail_after(20):
-            try:
-                while True:
-                    got += await stream.receive()
-            except (anyio.EndOfStream, anyio.BrokenResourceError):
-                pass
-        return bytes(got)
+        return await read_until_closed(stream)
 
 
 def _error_code(reply: bytes) -> str:

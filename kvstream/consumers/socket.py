@@ -359,6 +359,17 @@ class SocketSubscriber(Subscriber):
         tracker.gaps += 1
         tracker.missing += nxt - first
         reason = f.get("reason")
+        if reason == "too_large":
+            log.error(
+                "%s: %s epoch %s: batches %d..%d are bigger than this subscriber reads "
+                "(max_message_bytes %d): the sink skipped them (a gap)",
+                self.address,
+                origin,
+                epoch,
+                first,
+                nxt - 1,
+                self.max_message_bytes,
+            )
         self._items.append(Gap(origin, epoch, first, nxt, str(reason or "gap")))
 
     def _on_snapshot(self, part: SnapshotPart) -> None:
@@ -380,7 +391,9 @@ class SocketSubscriber(Subscriber):
 
     def _hello(self) -> bytes:
         if not self._joined:
-            return encode_hello(self.from_seq, token=self._token)
+            return encode_hello(
+                self.from_seq, token=self._token, max_message_bytes=self.max_message_bytes
+            )
         # Resume: every origin after the last batch seen; an origin not seen yet
         # appeared while we were away (the welcome named all the others): all of it.
         from_seq: dict[str, int] = {"*": 0}
@@ -389,7 +402,12 @@ class SocketSubscriber(Subscriber):
         positions = self.tracker.origins()
         from_seq.update({o: n for o, (_, n) in positions.items()})
         epochs = {o: e for o, (e, _) in positions.items()}
-        return encode_hello(from_seq, epoch=epochs or None, token=self._token)
+        return encode_hello(
+            from_seq,
+            epoch=epochs or None,
+            token=self._token,
+            max_message_bytes=self.max_message_bytes,
+        )
 
     async def _open(self) -> anyio.abc.ByteStream:
         stream: anyio.abc.ByteStream

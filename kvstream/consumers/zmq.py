@@ -75,6 +75,7 @@ from kvstream.errors import (
     TransportError,
 )
 from kvstream.media import MEDIA_POLICIES
+from kvstream.sinks.burst_log import BurstLog
 from kvstream.wire.vllm_zmq import (
     DEFAULT_HWM,
     ReplayBatch,
@@ -88,6 +89,7 @@ from kvstream.wire.vllm_zmq import (
 try:
     import zmq
     import zmq.asyncio
+    from zmq.utils.monitor import parse_monitor_message
 except ImportError as exc:  # pragma: no cover - the extra is installed in tests
     raise MissingDependencyError.for_extra("pyzmq", "zmq", exc) from exc
 
@@ -107,6 +109,10 @@ log = logging.getLogger("kvstream.consumers")
 DEFAULT_REPLAY_TIMEOUT: Final = 5.0
 DEFAULT_MAX_REORDER: Final = 10_000
 DEFAULT_MAX_REORDER_BYTES: Final = 64 * 1024 * 1024
+#: The largest ZMQ message (a live payload, a replay reply) the subscriber takes
+#: (`ZMQ_MAXMSGSIZE`): libzmq drops the connection on a bigger one before
+#: allocating it.
+DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 #: After a replay timed out, gaps are reported at once for this many timeouts.
 _SUSPEND_FACTOR: Final = 6.0
 #: Messages read from one socket before the others get a turn.
@@ -563,7 +569,17 @@ class _Link:
     `(topic, data_parallel_rank)`, created when first heard.
     """
 
-    __slots__ = ("dealer", "factory", "inflight", "primary", "spec", "streams", "sub")
+    __slots__ = (
+        "dealer",
+        "dropped",
+        "factory",
+        "inflight",
+        "monitor",
+        "primary",
+        "spec",
+        "streams",
+        "sub",
+    )
 
     def __init__(self, spec: ZmqPublisher, factory: Any) -> None:
         self.spec = spec
@@ -577,6 +593,10 @@ class _Link:
         self.inflight: deque[PublisherStream] = deque()
         self.sub: zmq.asyncio.Socket | None = None
         self.dealer: zmq.asyncio.Socket | None = None
+        #: the SUB's disconnect events (`EVENT_DISCONNECTED`)
+        self.monitor: zmq.asyncio.Socket | None = None
+        #: a dropped connection waits to be made again (a connecting SUB)
+        self.dropped = False
 
     def all_streams(self) -> Iterator[PublisherStream]:
         if self.primary is not None:
@@ -637,7 +657,11 @@ class ZmqSubscriber(Subscriber):
     `codec` reads both msgpack profiles. `replay_timeout`: seconds without a
     reply before a replay is given up. `max_reorder` / `max_reorder_bytes`
     bound the live batches held while a replay is in flight. `hwm`: the SUB's
-    receive high-water mark.
+    receive high-water mark. `max_message_bytes`: the largest message taken
+    on the SUB and the replay DEALER (`ZMQ_MAXMSGSIZE`, default 64 MiB); libzmq
+    drops a connection that sends a bigger one before allocating it. Each
+    dropped connection is counted (`dropped_connections`), logged once per
+    burst and made again; the batches it cost arrive as a gap (or by replay).
     """
 
     def __init__(
@@ -649,6 +673,7 @@ class ZmqSubscriber(Subscriber):
         max_reorder: int = DEFAULT_MAX_REORDER,
         max_reorder_bytes: int = DEFAULT_MAX_REORDER_BYTES,
         hwm: int = DEFAULT_HWM,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         poll_interval: float = 0.1,
     ) -> None:
         specs = [publishers] if isinstance(publishers, ZmqPublisher) else list(publishers)
@@ -662,8 +687,13 @@ class ZmqSubscriber(Subscriber):
         for key, value in (("max_reorder", max_reorder), ("max_reorder_bytes", max_reorder_bytes)):
             if type(value) is not int or value < 1:
                 raise ConfigError(f"{key}: expected an int >= 1, got {value!r}")
+        if type(max_message_bytes) is not int or max_message_bytes < 1024:
+            raise ConfigError(
+                f"max_message_bytes: expected an int >= 1024, got {max_message_bytes!r}"
+            )
         self.codec = codec or MsgpackCodec()
         self.hwm = hwm
+        self.max_message_bytes = max_message_bytes
         self.poll_interval = poll_interval
 
         def factory(spec: ZmqPublisher) -> Any:
@@ -687,6 +717,8 @@ class ZmqSubscriber(Subscriber):
         #: Malformed messages on a bound link that no origin could be told from.
         self._fan_in_malformed = 0
         self._fan_in_burst = False
+        self._dropped_connections = 0
+        self._drops = BurstLog(log)
         self._closed = False
         self._stopping = False
         self._stop_grace = 0.0
@@ -707,6 +739,12 @@ class ZmqSubscriber(Subscriber):
         Malformed frames, and publishers beyond `MAX_FAN_IN` origins.
         """
         return self._fan_in_malformed
+
+    @property
+    def dropped_connections(self) -> int:
+        """Publisher connections libzmq dropped: a message over `max_message_bytes`
+        (libzmq refuses it by closing the connection) or the publisher going away."""
+        return self._dropped_connections
 
     def _streams(self) -> Iterator[PublisherStream]:
         for link in self._links:
@@ -752,10 +790,14 @@ class ZmqSubscriber(Subscriber):
         poller = zmq.asyncio.Poller()
         by_socket: dict[zmq.asyncio.Socket, tuple[_Link, bool]] = {}
         try:
+            monitors: dict[zmq.asyncio.Socket, _Link] = {}
             for link in self._links:
                 link.sub = self._open_sub(ctx, link.spec)
                 poller.register(link.sub, zmq.POLLIN)
                 by_socket[link.sub] = (link, False)
+                link.monitor = link.sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                poller.register(link.monitor, zmq.POLLIN)
+                monitors[link.monitor] = link
                 if link.spec.replay_endpoint is not None:
                     self._open_dealer(ctx, poller, by_socket, link)
             now = anyio.current_time()
@@ -799,9 +841,18 @@ class ZmqSubscriber(Subscriber):
                     if entry is not None:
                         link, is_dealer = entry
                         pending.extend(await self._read(sock, link, is_dealer, now))
+                    elif sock in monitors:
+                        await self._on_disconnects(monitors[sock])
+                for link in self._links:
+                    if link.dropped:
+                        self._reconnect(link)
                 for stream in list(self._streams()):
                     pending.extend(stream.on_timer(now))
         finally:
+            for link in self._links:
+                if link.monitor is not None:
+                    link.monitor.close(linger=0)
+                    link.monitor = None
             for sock in list(by_socket):
                 sock.close(linger=0)
             ctx.term()
@@ -812,6 +863,7 @@ class ZmqSubscriber(Subscriber):
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, self.hwm)
+            sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
             if spec.binds:
                 sub.bind(spec.endpoint)
@@ -841,6 +893,9 @@ class ZmqSubscriber(Subscriber):
         dealer = ctx.socket(zmq.DEALER)
         try:
             dealer.setsockopt(zmq.LINGER, 0)
+            # A reply over the cap drops the DEALER's connection; the replay then
+            # times out and a new DEALER asks again.
+            dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             dealer.connect(endpoint)
         except zmq.ZMQError as exc:
             dealer.close(linger=0)
@@ -848,6 +903,46 @@ class ZmqSubscriber(Subscriber):
         poller.register(dealer, zmq.POLLIN)
         by_socket[dealer] = (link, True)
         link.dealer = dealer
+
+    async def _on_disconnects(self, link: _Link) -> None:
+        """Count the SUB's dropped connections; a connecting SUB is to connect again
+        (libzmq does not reconnect after a refused oversized message)."""
+        monitor = link.monitor
+        assert monitor is not None
+        while True:
+            try:
+                frames = await monitor.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if parse_monitor_message(frames)["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            self._dropped_connections += 1
+            self._drops.log(
+                "%s: the connection to the publisher dropped (a message over "
+                "max_message_bytes %d, or the publisher went away); connecting again",
+                link.spec.endpoint,
+                self.max_message_bytes,
+            )
+            if not link.spec.binds:
+                link.dropped = True
+
+    def _reconnect(self, link: _Link) -> None:
+        """Connect a dropped SUB again, once what it received is read."""
+        sub = link.sub
+        assert sub is not None
+        events = sub.getsockopt(zmq.EVENTS)
+        if isinstance(events, int) and events & zmq.POLLIN:
+            return  # read those first: disconnecting discards them
+        link.dropped = False
+        endpoint = link.spec.endpoint
+        try:
+            sub.disconnect(endpoint)
+        except zmq.ZMQError:
+            pass  # already gone
+        try:
+            sub.connect(endpoint)
+        except zmq.ZMQError as exc:
+            raise TransportError(f"ZMQ subscriber: cannot connect {endpoint}: {exc}") from exc
 
     async def _send_requests(
         self,
@@ -968,5 +1063,6 @@ def subscriber_from_url(parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]
         max_reorder=opts.pop_int("max_reorder", DEFAULT_MAX_REORDER, minimum=1)
         or DEFAULT_MAX_REORDER,
         hwm=opts.pop_int("hwm", DEFAULT_HWM, minimum=0) or 0,
+        max_message_bytes=opts.pop_size("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES),
         **kwargs,
     )

@@ -10,14 +10,17 @@ network filesystem) sends the writes of the next `inline_cooldown` seconds
 to the worker thread, twice as long after each further slow one (up to five
 minutes): a slow disk holds the event loop up for one write, and then ever
 more rarely; `inline=False` (URL `?inline=false`) never writes on the loop.
-Everything else (queued batches, standard output, FIFOs, devices) is
-written by the worker thread, several queued batches per
-hop (at most 1024 batches and 16 MiB: the base class bounds a hop). Every
-batch is handed to the OS before it counts as sent (the file is unbuffered:
-one `writev` per hop, straight from the encoded batches, never concatenated
-into a new buffer). A write that fails
-half-way (disk full) is rolled back by truncating to where it began, so the
-retry neither loses nor repeats a line.
+Everything else (queued batches, standard output, FIFOs, devices) is written
+by the worker thread, several queued batches per hop (at most 1024 batches
+and 16 MiB: the base class bounds a hop).
+
+Every batch is handed to the OS before it counts as sent (the file is
+unbuffered: one `writev` per hop, straight from the encoded batches, never
+concatenated into a new buffer). A write that fails half-way is rolled back
+by truncating to where it began, so the retry neither loses nor repeats a
+line. When the disk is full (`ENOSPC`, `EDQUOT`) the whole batches that did
+fit are kept instead, and the retry writes only the rest: space that returns
+a little at a time is used as it returns, and a batch is never torn.
 
 With `rotate_bytes` and/or `rotate_seconds` the file is rotated between
 writes (`events.jsonl` -> `events.000001.jsonl`, ...), keeping the newest
@@ -26,6 +29,7 @@ writes (`events.jsonl` -> `events.000001.jsonl`, ...), keeping the newest
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -94,6 +98,9 @@ class FileSink(Sink):
             raise ConfigError("FileSink: codec: expected a codec, got None")
         self.path = os.fspath(path)
         self._file: IO[bytes] | None = None
+        #: the leading batches of a write that failed for want of space and are
+        #: on disk already: the retry of that same write skips them
+        self._written_ahead: list[bytes] = []
         self._limiter = anyio.CapacityLimiter(1)
         self.inline = inline
         self.inline_budget = float(inline_budget)
@@ -181,7 +188,13 @@ class FileSink(Sink):
             self._file = self._open_file()
 
     def _write(self, chunks: Sequence[bytes]) -> None:
-        """Write `chunks` in order, all of them or (rolled back) none."""
+        """Write `chunks` in order, all of them or (rolled back) none.
+
+        After a full disk, the whole chunks that fit stay written and a retry of
+        the same write skips them (`_skip_written_ahead`).
+        """
+        if self._written_ahead:
+            chunks = self._skip_written_ahead(chunks)
         if self.rotation is not None:
             self._rotate_if_due(sum(map(len, chunks)))
         f = self._file
@@ -195,15 +208,20 @@ class FileSink(Sink):
         start = f.tell() if f.seekable() else None  # a FIFO or a device cannot roll back
         try:
             _writev_all(f.fileno(), chunks)
-        except OSError:
+        except OSError as exc:
             if start is not None:
-                # Undo a partial write so the retry starts from a clean line.
+                keep = 0
+                if exc.errno in _NO_SPACE:
+                    keep = self._keep_whole_chunks(f, start, chunks)
+                # Undo a partial write (past the whole chunks kept) so the retry
+                # starts from a clean line.
                 try:
-                    f.truncate(start)
-                    f.seek(start)
+                    f.truncate(start + keep)
+                    f.seek(start + keep)
                 except OSError:
                     pass
             raise
+        self._written_ahead.clear()
         if self.rotation is not None:
             self.rotation.wrote()
 
@@ -234,6 +252,37 @@ class FileSink(Sink):
             self._cooldown = self.inline_cooldown
         return True
 
+    def _skip_written_ahead(self, chunks: Sequence[bytes]) -> Sequence[bytes]:
+        """`chunks` without the leading ones a failed attempt of this same write
+        (the writer retries the very same batches) left on disk."""
+        ahead = self._written_ahead
+        n = len(ahead)
+        if len(chunks) >= n and all(chunks[i] is ahead[i] for i in range(n)):
+            return chunks[n:]
+        # Not a retry of that write (cannot happen with the base class's writer).
+        log.warning(
+            "%s: %d batches written before a full disk are not retried as expected",
+            self.name,
+            n,
+        )
+        ahead.clear()
+        return chunks
+
+    def _keep_whole_chunks(self, f: IO[bytes], start: int, chunks: Sequence[bytes]) -> int:
+        """After a full disk cut a write short: remember the whole chunks on disk
+        (from `start`), and return their size; the torn rest is cut off."""
+        try:
+            written = os.fstat(f.fileno()).st_size - start
+        except OSError:
+            return 0
+        kept = 0
+        for chunk in chunks:
+            if kept + len(chunk) > written:
+                break
+            kept += len(chunk)
+            self._written_ahead.append(chunk)
+        return kept
+
     async def send(self, data: bytes, batch: EventBatch) -> None:
         await anyio.to_thread.run_sync(self._write, (data,), limiter=self._limiter)
 
@@ -249,6 +298,9 @@ class FileSink(Sink):
             if f is not None and self.path != "-":
                 f.close()
 
+
+#: The errors of a full disk (or quota): what fits of a write is kept.
+_NO_SPACE: Final = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 #: The most buffers one writev() takes (POSIX guarantees 16; Linux takes 1024).
 _IOV_MAX: Final = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 16

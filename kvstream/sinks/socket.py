@@ -102,6 +102,7 @@ log = logging.getLogger("kvstream.sinks.socket")
 
 DEFAULT_RING_BYTES: Final = 64 * 1024 * 1024
 DEFAULT_SUBSCRIBER_BYTES: Final = 16 * 1024 * 1024
+DEFAULT_MAX_PENDING_HELLOS: Final = 16
 _ERROR_SEND_TIMEOUT: Final = 1.0
 
 #: What a connection ending (the peer leaving, a reset, a TLS failure) raises.
@@ -138,6 +139,12 @@ class SocketSinkStatistics(NamedTuple):
     ring_batches: int
     ring_bytes: int
     ring_max_bytes: int
+    #: Batches and snapshots not sent because they exceeded their subscriber's
+    #: `max_message_bytes` (each sent as a gap notice, reason `too_large`).
+    too_large: int = 0
+    #: Connections still without a hello closed to make room for a newer one
+    #: (`max_pending_hellos`); counted in `connections_refused` too.
+    hellos_evicted: int = 0
 
 
 class SocketSink(Sink):
@@ -151,6 +158,14 @@ class SocketSink(Sink):
     listen anywhere but loopback. `ssl_context` turns TLS on. See the module
     doc for `ring_bytes`, `subscriber_bytes`, `slow` and snapshots; the
     other options (`codec`, `policy`, ...) are [`Sink`][kvstream.sinks.base.Sink]'s.
+
+    Connections are limited twice: at most `max_subscribers` subscribers (a
+    hello beyond that gets `busy`), and at most `max_pending_hellos`
+    connections that have not said hello yet, each for at most
+    `hello_timeout` seconds. A connection beyond that budget closes the
+    oldest one still waiting for its hello (refused with `busy`, counted in
+    `hellos_evicted`), so idle or slow connections can never keep a
+    subscriber that says its hello at once from getting in.
     """
 
     max_coalesce = 256
@@ -167,6 +182,7 @@ class SocketSink(Sink):
         subscriber_bytes: int | None = None,
         slow: SlowPolicy = "disconnect",
         max_subscribers: int = 64,
+        max_pending_hellos: int = DEFAULT_MAX_PENDING_HELLOS,
         hello_timeout: float = 10.0,
         snapshot_timeout: float = 5.0,
         snapshot_provider: SnapshotProvider | None = None,
@@ -194,6 +210,10 @@ class SocketSink(Sink):
         if type(max_subscribers) is not int or max_subscribers < 1:
             raise ConfigError(
                 f"SocketSink.max_subscribers: expected an int >= 1, got {max_subscribers!r}"
+            )
+        if type(max_pending_hellos) is not int or max_pending_hellos < 1:
+            raise ConfigError(
+                f"SocketSink.max_pending_hellos: expected an int >= 1, got {max_pending_hellos!r}"
             )
         for what, value in (
             ("hello_timeout", hello_timeout),
@@ -225,6 +245,7 @@ class SocketSink(Sink):
         self.port = port
         self.ring_bytes = ring_bytes
         self.max_subscribers = max_subscribers
+        self.max_pending_hellos = max_pending_hellos
         self.hello_timeout = float(hello_timeout)
         self._token = token.encode("utf-8", "surrogatepass") if token is not None else None
         self._ssl = ssl_context
@@ -240,8 +261,10 @@ class SocketSink(Sink):
         self._listeners: list[anyio.abc.SocketListener] = []
         self._server_tg: TaskGroup | None = None
         self._connections = 0
-        #: cancel scopes of connections still in their hello
-        self._greeting: set[anyio.CancelScope] = set()
+        #: cancel scopes of connections still in their hello, oldest first
+        self._greeting: dict[anyio.CancelScope, None] = {}
+        #: those closed to make room for newer ones (refused once out of their scope)
+        self._evicted: set[anyio.CancelScope] = set()
         self._all_gone = anyio.Event()
         self._all_gone.set()
         self._stopping = False
@@ -253,6 +276,7 @@ class SocketSink(Sink):
         self._accepted = 0
         self._refused = 0
         self._snapshots_sent = 0
+        self._hellos_evicted = 0
 
     # -- wiring ------------------------------------------------------------------
 
@@ -422,10 +446,7 @@ class SocketSink(Sink):
         scope = anyio.CancelScope()
         try:
             with scope:
-                self._greeting.add(scope)
-                if self._connections > self.max_subscribers:
-                    await self._refuse(stream, peer, "busy", "too many subscribers; retry later")
-                    return
+                self._wait_for_hello(scope)
                 try:
                     with anyio.fail_after(self.hello_timeout):
                         if self._ssl is not None:
@@ -437,23 +458,31 @@ class SocketSink(Sink):
                             )
                         line = await read_hello(stream)
                 except TimeoutError:
+                    self._greeting.pop(scope, None)
                     await self._refuse(stream, peer, "bad_hello", "no hello line in time")
                     return
                 except ProtocolError as exc:
+                    self._greeting.pop(scope, None)
                     await self._refuse(stream, peer, exc.code, str(exc))
                     return
+                self._greeting.pop(scope, None)  # no longer waiting: it cannot be evicted
                 try:
                     hello = parse_hello(line)
                     if self._token is not None and not token_matches(self._token, hello.token):
                         raise ProtocolError("token missing or wrong", "unauthorized")
                     if self._stopping:
                         raise ProtocolError("the sink is closing", "closing")
+                    if len(self._fanout.subscriptions) >= self.max_subscribers:
+                        raise ProtocolError(
+                            f"{self.max_subscribers} subscribers already (max_subscribers); "
+                            "retry later",
+                            "busy",
+                        )
                     sub = self._fanout.join(hello, peer, stream, scope)
                     self._accepted += 1
                 except ProtocolError as exc:
                     await self._refuse(stream, peer, exc.code, str(exc))
                     return
-                self._greeting.discard(scope)
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._watch_peer, sub)
                     try:
@@ -461,12 +490,22 @@ class SocketSink(Sink):
                     except _GONE as exc:
                         log.debug("%s: subscriber %s went away: %r", self.name, peer, exc)
                     tg.cancel_scope.cancel()
+            if scope in self._evicted:
+                self._evicted.discard(scope)
+                await self._refuse(
+                    stream,
+                    peer,
+                    "busy",
+                    f"no hello yet while {self.max_pending_hellos} newer connections waited for "
+                    "theirs (max_pending_hellos); retry",
+                )
         except _GONE as exc:
             log.debug("%s: subscriber %s went away: %r", self.name, peer, exc)
         except Exception as exc:  # a bug must not take the sink down with it
             log.exception("%s: subscriber %s: unexpected error: %r", self.name, peer, exc)
         finally:
-            self._greeting.discard(scope)
+            self._greeting.pop(scope, None)
+            self._evicted.discard(scope)
             if sub is not None:
                 self._fanout.leave(sub)
             with anyio.CancelScope(shield=True):
@@ -475,6 +514,18 @@ class SocketSink(Sink):
             self._connections -= 1
             if self._connections == 0:
                 self._all_gone.set()
+
+    def _wait_for_hello(self, scope: anyio.CancelScope) -> None:
+        """Count a new connection against `max_pending_hellos`, closing the
+        oldest connection still without a hello when the budget is spent."""
+        greeting = self._greeting
+        while len(greeting) >= self.max_pending_hellos:
+            oldest = next(iter(greeting))
+            del greeting[oldest]
+            self._evicted.add(oldest)
+            self._hellos_evicted += 1
+            oldest.cancel()
+        greeting[scope] = None
 
     async def _refuse(
         self, stream: anyio.abc.ByteStream, peer: str, code: str, message: str
@@ -520,6 +571,17 @@ class SocketSink(Sink):
                 continue
             if sub.snapshots:
                 snapshot, first_missing = sub.snapshots.pop(0)
+                size = snapshot.largest_message(fanout.codec, first_missing)
+                if size > sub.max_message:
+                    fanout.too_large_for(
+                        sub,
+                        snapshot.origin,
+                        snapshot.epoch,
+                        first_missing,
+                        snapshot.next_seq,
+                        size,
+                    )
+                    continue
                 chunk = snapshot.encoded(fanout.codec, first_missing)
                 self._snapshots_sent += 1
                 await stream.send(chunk)
@@ -569,6 +631,8 @@ class SocketSink(Sink):
             ring_batches=len(fanout.ring),
             ring_bytes=fanout.ring.bytes,
             ring_max_bytes=self.ring_bytes,
+            too_large=fanout.too_large,
+            hellos_evicted=self._hellos_evicted,
         )
 
     def subscriber_statistics(self) -> tuple[SubscriberStatistics, ...]:
@@ -606,6 +670,9 @@ def sink_from_url(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> S
         "subscriber_bytes": subscriber_bytes,
         "slow": opts.pop_choice("slow", SLOW_POLICIES, "disconnect"),
         "max_subscribers": opts.pop_int("max_subscribers", 64, minimum=1),
+        "max_pending_hellos": opts.pop_int(
+            "max_pending_hellos", DEFAULT_MAX_PENDING_HELLOS, minimum=1
+        ),
         "hello_timeout": opts.pop_float("hello_timeout", 10.0),
         "snapshot_timeout": opts.pop_float("snapshot_timeout", 5.0),
     }

@@ -37,6 +37,7 @@ from kvstream.wire.socket_protocol import (
     batch_message,
     control_message,
     framing_of,
+    message_size,
     welcome_line,
 )
 
@@ -111,10 +112,13 @@ class Fanout:
         self.barrier: BarrierRequest | None = None
         self._barrier_pending = False
         self._slowness = BurstLog(log)
+        self._oversize = BurstLog(log)
         # counters
         self.slow_disconnects = 0
         self.batches_dropped = 0
         self.gap_notices = 0
+        #: Batches (and snapshots) bigger than their subscriber's message cap.
+        self.too_large = 0
 
     # -- publishing ---------------------------------------------------------------------
 
@@ -234,6 +238,27 @@ class Fanout:
             n,
         )
 
+    def too_large_for(
+        self, sub: Subscription, origin: str, epoch: str, first: int, nxt: int, size: int
+    ) -> None:
+        """A message of `size` bytes for batches `[first, nxt)` is over what `sub`
+        reads: it gets a gap notice instead (sent, the subscriber would drop the
+        connection, reconnect and be sent it again, for ever)."""
+        self.too_large += 1
+        self._oversize.log(
+            "%s: %s epoch %s seq %d..%d is %d bytes, more than subscriber %s reads "
+            "(max_message_bytes %d); sent a gap notice instead",
+            self.name,
+            origin,
+            epoch,
+            first,
+            nxt - 1,
+            size,
+            sub.peer,
+            sub.max_message,
+        )
+        self._queue_gap(sub, origin, epoch, first, nxt, "too_large")
+
     def _queue_gap(
         self, sub: Subscription, origin: str, epoch: str, first: int, nxt: int, reason: str
     ) -> None:
@@ -260,7 +285,7 @@ class Fanout:
         """Plan the replay and register, in one step: nothing published can fall between."""
         ring = self.ring
         head = ring.end_pos
-        sub = Subscription(peer, stream, scope)
+        sub = Subscription(peer, stream, scope, hello.max_message_bytes)
         infos: dict[str, OriginInfo] = {}
         gaps: list[tuple[str, str, int, int]] = []
         can_snapshot = self.snapshot_provider is not None and self.barrier is not None
@@ -314,7 +339,11 @@ class Fanout:
             sub.wake()
 
     def gather(self, sub: Subscription) -> tuple[bytearray, int]:
-        """Frames for `sub` from its cursor, up to `_CHUNK_BYTES`; advances it."""
+        """Frames for `sub` from its cursor, up to `_CHUNK_BYTES`; advances it.
+
+        A batch bigger than the subscriber reads ends the chunk: it is counted as
+        dropped for `sub` and a gap notice queued, to be sent after the chunk.
+        """
         ring = self.ring
         pos = max(sub.cursor, ring.first_pos)
         end = ring.end_pos
@@ -322,12 +351,20 @@ class Fanout:
         n = 0
         wants = sub.wants
         get = ring.get
+        cap = sub.max_message
         while pos < end and len(out) < _CHUNK_BYTES:
             entry = get(pos)
-            if wants(pos, entry):
-                out += entry[3]
-                n += 1
             pos += 1
+            if wants(pos - 1, entry):
+                frame = entry[3]
+                if len(frame) > cap and message_size(frame, self.framing) > cap:
+                    sub.batches_dropped += 1
+                    self.batches_dropped += 1
+                    origin, epoch, seq = entry[0], entry[1], entry[2]
+                    self.too_large_for(sub, origin, epoch, seq, seq + 1, len(frame))
+                    break
+                out += frame
+                n += 1
         sub.cursor = pos
         return out, n
 

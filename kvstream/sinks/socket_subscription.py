@@ -19,7 +19,12 @@ import anyio.abc
 
 from kvstream.codecs.base import Codec
 from kvstream.events import KVCacheEvent
-from kvstream.wire.socket_protocol import snapshot_messages
+from kvstream.wire.socket_protocol import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    framing_of,
+    message_size,
+    snapshot_messages,
+)
 
 __all__ = ["RingEntry", "Snapshot", "SnapshotWait", "Subscription"]
 
@@ -39,7 +44,16 @@ class SnapshotWait(NamedTuple):
 class Snapshot:
     """One provider call, shared by every subscriber it serves; encoded lazily."""
 
-    __slots__ = ("_encoded", "data_parallel_rank", "epoch", "events", "next_seq", "origin", "ts")
+    __slots__ = (
+        "_encoded",
+        "_largest",
+        "data_parallel_rank",
+        "epoch",
+        "events",
+        "next_seq",
+        "origin",
+        "ts",
+    )
 
     def __init__(
         self,
@@ -56,24 +70,31 @@ class Snapshot:
         self.data_parallel_rank = data_parallel_rank
         self.events = events
         self._encoded: dict[int, bytes] = {}
+        self._largest: dict[int, int] = {}
 
     def encoded(self, codec: Codec, first_missing: int) -> bytes:
         """The snapshot's messages for a subscriber that misses `first_missing` on."""
         data = self._encoded.get(first_missing)
         if data is None:
-            data = self._encoded[first_missing] = b"".join(
-                snapshot_messages(
-                    codec,
-                    origin=self.origin,
-                    epoch=self.epoch,
-                    next_seq=self.next_seq,
-                    first_missing=first_missing,
-                    ts=self.ts,
-                    data_parallel_rank=self.data_parallel_rank,
-                    events=self.events,
-                )
+            messages = snapshot_messages(
+                codec,
+                origin=self.origin,
+                epoch=self.epoch,
+                next_seq=self.next_seq,
+                first_missing=first_missing,
+                ts=self.ts,
+                data_parallel_rank=self.data_parallel_rank,
+                events=self.events,
             )
+            framing = framing_of(codec)
+            self._largest[first_missing] = max(message_size(m, framing) for m in messages)
+            data = self._encoded[first_missing] = b"".join(messages)
         return data
+
+    def largest_message(self, codec: Codec, first_missing: int) -> int:
+        """The size of the biggest of the snapshot's messages, as a reader counts it."""
+        self.encoded(codec, first_missing)
+        return self._largest[first_missing]
 
 
 class Subscription:
@@ -88,6 +109,7 @@ class Subscription:
         "cursor",
         "drop_gaps",
         "gone",
+        "max_message",
         "min_seq",
         "peer",
         "replay_end",
@@ -99,8 +121,16 @@ class Subscription:
         "wakeup",
     )
 
-    def __init__(self, peer: str, stream: anyio.abc.ByteStream, scope: anyio.CancelScope) -> None:
+    def __init__(
+        self,
+        peer: str,
+        stream: anyio.abc.ByteStream,
+        scope: anyio.CancelScope,
+        max_message: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
         self.peer = peer
+        #: the largest message the subscriber reads (its hello's `max_message_bytes`)
+        self.max_message = max_message
         self.stream = stream
         self.scope = scope
         self.cursor = 0

@@ -58,6 +58,7 @@ from kvstream.codecs.msgpack import MsgpackCodec, codec_from_options
 from kvstream.errors import ConfigError, DecodeError, MissingDependencyError, TransportError
 from kvstream.events import EventBatch
 from kvstream.sinks.base import Sink
+from kvstream.sinks.burst_log import BurstLog
 from kvstream.sinks.encoding import held_bytes
 from kvstream.sinks.replay_ring import ReplayRing
 from kvstream.wire.vllm_zmq import (
@@ -280,8 +281,10 @@ class ZmqSink(Sink):
         self._unroutable = 0
         self._replay_requests = 0
         self._replay_malformed = 0
-        self._malformed_burst = False
+        self._malformed_log = BurstLog(log)
         self._replay_busy = 0
+        self._busy_log = BurstLog(log)
+        self._abandon_log = BurstLog(log)
         self._replays_completed = 0
         self._replays_abandoned = 0
         self._replay_sent = 0
@@ -530,16 +533,13 @@ class ZmqSink(Sink):
                 identity, start_seq = parse_replay_request(frames)
             except DecodeError as exc:
                 self._replay_malformed += 1
-                if not self._malformed_burst:
-                    self._malformed_burst = True
-                    log.warning("%s: malformed replay request ignored: %s", self.name, exc)
+                self._malformed_log.log("%s: malformed replay request ignored: %s", self.name, exc)
                 continue
-            self._malformed_burst = False
             self._replay_requests += 1
             replies = self._replies
             if identity not in replies and len(replies) >= self.max_replay_clients:
                 self._replay_busy += 1
-                log.warning(
+                self._busy_log.log(
                     "%s: replay request from %s ignored: %d replies already running",
                     self.name,
                     identity.hex(),
@@ -621,7 +621,7 @@ class ZmqSink(Sink):
         if self._replies.get(reply.identity) is reply:
             del self._replies[reply.identity]
         self._replays_abandoned += 1
-        log.warning(
+        self._abandon_log.log(
             "%s: replay to %s abandoned at ring position %d: %s",
             self.name,
             reply.identity.hex(),

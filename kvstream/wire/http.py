@@ -5,8 +5,10 @@ I/O on anyio, and the limits every listener of kvstream documents and enforces:
 
 * **connections**: at most `max_connections` at once. When a new one arrives at
   the limit, the connection idle the longest (keep-alive, or connected and silent)
-  is closed to make room; only when every connection is mid-request is the new
-  one refused with `503`. So idle or silent clients cannot lock the server out.
+  is closed to make room, or else the oldest one whose request head is still
+  arriving (a slow-loris client); only when every connection is past its head is
+  the new one refused with `503`. So idle, silent or slow clients cannot lock
+  the server out.
 * **the request head**: at most `head_bytes` (`431` beyond), complete within
   `head_timeout` seconds of its first byte (`408`): a slow-loris client is cut
   off, whatever its pace.
@@ -133,7 +135,7 @@ class HttpServerStatistics(NamedTuple):
     connections_open: int
     #: New connections answered 503 because every slot was mid-request.
     connections_refused: int
-    #: Idle connections closed to make room for a new one.
+    #: Idle connections (or ones still sending their head) closed to make room.
     connections_evicted: int
     #: Heads or bodies not complete in time (408), idle keep-alives closed.
     timeouts: int
@@ -155,10 +157,12 @@ class _Refusal(Exception):
 
 @dataclass(eq=False)
 class _Slot:
-    """One connection's place: idle slots can be taken over by newcomers."""
+    """One connection's place: idle slots (and then slots still reading a request
+    head) can be taken over by newcomers."""
 
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     idle: bool = True
+    in_head: bool = False
 
 
 class HttpServer:
@@ -316,12 +320,14 @@ class HttpServer:
 
     def _admit(self) -> _Slot | None:
         if len(self._slots) >= self.limits.max_connections:
-            oldest_idle = next((slot for slot in self._slots if slot.idle), None)
-            if oldest_idle is None:
+            victim = next((slot for slot in self._slots if slot.idle), None) or next(
+                (slot for slot in self._slots if slot.in_head), None
+            )
+            if victim is None:
                 return None
             self._evicted += 1
-            oldest_idle.scope.cancel()
-            del self._slots[oldest_idle]
+            victim.scope.cancel()
+            del self._slots[victim]
         slot = _Slot()
         self._slots[slot] = None
         return slot
@@ -362,8 +368,9 @@ class HttpServer:
                     self._timeouts += 1
                     return
             slot.idle = False
+            slot.in_head = True
             try:
-                request = await self._read_request(stream, conn, first)
+                request = await self._read_request(stream, conn, first, slot)
             except _Refusal as refusal:
                 await self._refuse(stream, conn, refusal)
                 return
@@ -379,7 +386,7 @@ class HttpServer:
                 return
 
     async def _read_request(
-        self, stream: SocketStream, conn: h11.Connection, first: bytes
+        self, stream: SocketStream, conn: h11.Connection, first: bytes, slot: _Slot
     ) -> Request | None:
         limits = self.limits
         fed = [len(first) + len(conn.trailing_data[0])]
@@ -387,6 +394,7 @@ class HttpServer:
             conn.receive_data(first)
         with anyio.move_on_after(limits.head_timeout) as head_deadline:
             event = await self._next_event(stream, conn, fed)
+        slot.in_head = False  # past its head: no longer taken over
         if head_deadline.cancelled_caught:
             self._timeouts += 1
             raise _Refusal(408, f"request head not complete within {limits.head_timeout} s")

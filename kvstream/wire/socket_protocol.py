@@ -17,7 +17,8 @@ The conversation:
 **Hello** (subscriber to sink, one JSON object on one line, at most
 `MAX_HELLO_BYTES` bytes with its `\\n`; every key optional):
 
-    {"from_seq": 42, "epoch": "3f9c...", "token": "...", "version": 1}
+    {"from_seq": 42, "epoch": "3f9c...", "token": "...", "version": 1,
+     "max_message_bytes": 1048576}
 
 `from_seq` is an integer (every origin from that seq) or an object mapping
 origins to integers, where the key `"*"` gives the default for origins not
@@ -25,6 +26,9 @@ named; without it the subscriber gets live batches only. `epoch` (a string,
 or an object mapping origins to strings) says which epoch those numbers count
 in: for an origin whose current epoch differs, the sink starts at seq 0 of the
 current epoch. `token` is the shared secret when the sink has one.
+`max_message_bytes` is the largest line or frame body the subscriber reads
+(`DEFAULT_MAX_MESSAGE_BYTES` when absent): the sink never sends it a bigger
+batch, but a gap notice with reason `too_large` in its place.
 
 **Welcome** (sink to subscriber, always one JSON line, before anything else):
 
@@ -87,6 +91,7 @@ __all__ = [
     "FATAL_ERRORS",
     "MAX_CONTROL_LINE_BYTES",
     "MAX_HELLO_BYTES",
+    "MIN_MESSAGE_BYTES",
     "PROTOCOL_VERSION",
     "SNAPSHOT_PART_EVENTS",
     "BatchMessage",
@@ -104,6 +109,7 @@ __all__ = [
     "encode_hello",
     "error_line",
     "framing_of",
+    "message_size",
     "parse_hello",
     "parse_welcome",
     "snapshot_messages",
@@ -130,7 +136,9 @@ FATAL_ERRORS: Final = frozenset({"bad_hello", "unauthorized", "version", "from_s
 _MAX_ORIGINS_IN_HELLO: Final = 4096
 _MAX_NAME: Final = 1024
 _SEQ_LIMIT: Final = 2**63
-_HELLO_KEYS: Final = frozenset({"from_seq", "epoch", "token", "version"})
+_HELLO_KEYS: Final = frozenset({"from_seq", "epoch", "token", "version", "max_message_bytes"})
+#: The smallest message cap a reader takes (a gap notice must always fit).
+MIN_MESSAGE_BYTES: Final = 1024
 _FRAME_HEAD: Final = struct.Struct(">IH")
 _LENGTH: Final = struct.Struct(">I")
 _HEADER_LENGTH: Final = struct.Struct(">H")
@@ -165,6 +173,8 @@ class Hello(NamedTuple):
     epoch: str | dict[str, str] | None = None
     token: str | None = None
     version: int = PROTOCOL_VERSION
+    #: the largest line or frame body the subscriber reads
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
     def start_for(self, origin: str) -> int | None:
         """The seq `origin` is asked from, or None for live only."""
@@ -239,7 +249,8 @@ def parse_hello(line: bytes) -> Hello:
     unknown = obj.keys() - _HELLO_KEYS
     if unknown:
         raise ProtocolError(
-            f"hello: unknown key(s) {sorted(unknown)!r}; expected from_seq, epoch, token, version",
+            f"hello: unknown key(s) {sorted(unknown)!r}; expected from_seq, epoch, token, "
+            "version, max_message_bytes",
             "bad_hello",
         )
     version = obj.get("version", PROTOCOL_VERSION)
@@ -259,7 +270,14 @@ def parse_hello(line: bytes) -> Hello:
         raise ProtocolError(
             "hello.token: expected a string of at most 4096 characters", "bad_hello"
         )
-    return Hello(from_seq, epoch, token, version)
+    cap = obj.get("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
+    if type(cap) is not int or not MIN_MESSAGE_BYTES <= cap < _SEQ_LIMIT:
+        raise ProtocolError(
+            f"hello.max_message_bytes: expected an integer >= {MIN_MESSAGE_BYTES}, "
+            f"got {shorten(cap)}",
+            "bad_hello",
+        )
+    return Hello(from_seq, epoch, token, version, cap)
 
 
 def encode_hello(
@@ -267,8 +285,13 @@ def encode_hello(
     *,
     epoch: str | Mapping[str, str] | None = None,
     token: str | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> bytes:
-    """The hello line a subscriber sends (`\\n` included)."""
+    """The hello line a subscriber sends (`\\n` included).
+
+    `max_message_bytes` is said only when it is not the default, so a sink
+    that predates the key still takes a default subscriber's hello.
+    """
     obj: dict[str, Any] = {"version": PROTOCOL_VERSION}
     if from_seq is not None:
         obj["from_seq"] = from_seq if type(from_seq) is int else dict(from_seq)  # type: ignore[arg-type]
@@ -276,6 +299,8 @@ def encode_hello(
         obj["epoch"] = epoch if type(epoch) is str else dict(epoch)  # type: ignore[arg-type]
     if token is not None:
         obj["token"] = token
+    if max_message_bytes != DEFAULT_MAX_MESSAGE_BYTES:
+        obj["max_message_bytes"] = max_message_bytes
     line = orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE)
     if len(line) > MAX_HELLO_BYTES:
         raise ConfigError(
@@ -420,6 +445,12 @@ def batch_message(data: bytes, batch: EventBatch, framing: str) -> bytes:
     return _frame({"origin": batch.origin, "epoch": batch.epoch, "seq": batch.seq}, data)
 
 
+def message_size(message: bytes, framing: str) -> int:
+    """What a reader compares with its `max_message_bytes`: a line with its
+    newline, a frame's body (its length field)."""
+    return len(message) if framing == "lines" else len(message) - _LENGTH.size
+
+
 def control_message(obj: Mapping[str, Any], framing: str) -> bytes:
     """A control message (`gap`, `end`, `error`) in the connection's framing."""
     if "seq" in obj or "type" not in obj:
@@ -513,9 +544,10 @@ class MessageReader:
     """
 
     def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
-        if type(max_message_bytes) is not int or max_message_bytes < 1024:
+        if type(max_message_bytes) is not int or max_message_bytes < MIN_MESSAGE_BYTES:
             raise ConfigError(
-                f"max_message_bytes: expected an int >= 1024, got {max_message_bytes!r}"
+                f"max_message_bytes: expected an int >= {MIN_MESSAGE_BYTES}, "
+                f"got {max_message_bytes!r}"
             )
         self.max_message_bytes = max_message_bytes
         self.framing = "lines"

@@ -27,7 +27,7 @@ from kvstream.config import open_subscriber
 from kvstream.consumers.base import Gap
 from kvstream.consumers.zmq import DEFAULT_MAX_MESSAGE_BYTES, ZmqPublisher, ZmqSubscriber
 from kvstream.errors import ConfigError
-from kvstream.events import BlockRemoved, EventBatch
+from kvstream.events import BlockRemoved, BlockStored, EventBatch
 from kvstream.sinks.zmq import ZmqSink
 from kvstream.wire import vllm_zmq as wire
 
@@ -144,3 +144,107 @@ async def test_refused_replay_requests_are_logged_once_per_burst(
     busy = [r for r in caplog.records if "replies already running" in r.getMessage()]
     assert len(busy) == 40  # every refusal is a record ...
     assert [r.levelno for r in busy].count(logging.WARNING) == 1  # ... one of them a warning
+
+
+async def _full_replay_sink(
+    replay_timeout: float,
+) -> tuple[ZmqSink, str]:
+    replay_endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    sink = ZmqSink(
+        f"tcp://127.0.0.1:{_free_port()}",
+        bind=True,
+        replay_endpoint=replay_endpoint,
+        buffer_steps=200,
+        max_replay_clients=1,
+        replay_timeout=replay_timeout,
+        linger=0,
+    )
+    return sink, replay_endpoint
+
+
+async def _fill(scheduler: Scheduler, sink: ZmqSink, n: int = 200) -> None:
+    """`n` batches of about 100 KB: a client that stops reading fills its pipes."""
+    tokens = list(range(100_000, 101_024))
+    for i in range(n):
+        scheduler.emit(
+            [
+                BlockStored(
+                    block_hashes=[i * 10_000 + j * 64 + b for b in range(64)],
+                    parent_block_hash=None,
+                    token_ids=tokens,
+                    block_size=16,
+                )
+                for j in range(20)
+            ]
+        )
+        await scheduler.tick()
+    await wait_until(lambda: not sink.statistics().queued_batches)
+
+
+def _stalled_dealer(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVHWM, 1)
+    dealer.connect(endpoint)
+    return dealer
+
+
+async def _read_replay(dealer: zmq.asyncio.Socket) -> list[int]:
+    """The seqs of one whole replay, up to its end marker."""
+    seqs: list[int] = []
+    with anyio.fail_after(10):
+        while True:
+            frames = await dealer.recv_multipart()
+            if frames[-2] == wire.END_SEQ:
+                return seqs
+            seqs.append(wire.unpack_seq(frames[-2]))
+
+
+async def test_a_replay_stalled_long_gives_its_slot_to_a_new_request() -> None:
+    # The only slot is held by a client that stopped reading; once it has been
+    # stalled for a quarter of replay_timeout, a new request takes its place.
+    sink, endpoint = await _full_replay_sink(replay_timeout=2.0)
+    ctx = zmq.asyncio.Context()
+    try:
+        async with Scheduler(sinks=[sink], origin="eng") as scheduler:
+            await _fill(scheduler, sink)
+            stalled = _stalled_dealer(ctx, endpoint)
+            await stalled.send_multipart(wire.replay_request(0))
+            await wait_until(lambda: sink.zmq_statistics().replay_waits > 0)
+            await anyio.sleep(0.7)  # stalled past 0.5 s, not yet given up (2 s)
+            reader = ctx.socket(zmq.DEALER)
+            reader.setsockopt(zmq.LINGER, 0)
+            reader.connect(endpoint)
+            await reader.send_multipart(wire.replay_request(0))
+            assert await _read_replay(reader) == list(range(200))
+            st = sink.zmq_statistics()
+            assert (st.replay_busy, st.replays_abandoned) == (0, 1)
+            stalled.close()
+            reader.close()
+            await scheduler.aclose()
+    finally:
+        ctx.destroy(linger=0)
+
+
+async def test_a_replay_refused_for_want_of_a_slot_gets_the_end_marker_at_once() -> None:
+    # Every slot serves a client not stalled long: the new one is answered with the
+    # end marker (vLLM's wire has no refusal), not left to wait out its timeout.
+    sink, endpoint = await _full_replay_sink(replay_timeout=30.0)
+    ctx = zmq.asyncio.Context()
+    try:
+        async with Scheduler(sinks=[sink], origin="eng") as scheduler:
+            await _fill(scheduler, sink)
+            holder = _stalled_dealer(ctx, endpoint)
+            await holder.send_multipart(wire.replay_request(0))
+            await wait_until(lambda: sink.zmq_statistics().replays_active == 1)
+            refused = ctx.socket(zmq.DEALER)
+            refused.setsockopt(zmq.LINGER, 0)
+            refused.connect(endpoint)
+            await refused.send_multipart(wire.replay_request(0))
+            assert await _read_replay(refused) == []
+            assert sink.zmq_statistics().replay_busy == 1
+            holder.close()
+            refused.close()
+            await scheduler.aclose()
+    finally:
+        ctx.destroy(linger=0)

@@ -538,14 +538,20 @@ class ZmqSink(Sink):
             self._replay_requests += 1
             replies = self._replies
             if identity not in replies and len(replies) >= self.max_replay_clients:
-                self._replay_busy += 1
-                self._busy_log.log(
-                    "%s: replay request from %s ignored: %d replies already running",
-                    self.name,
-                    identity.hex(),
-                    len(replies),
-                )
-                continue
+                # A client stalled for a quarter of replay_timeout gives way: it
+                # stopped reading, and would be given up at replay_timeout anyway.
+                since = anyio.current_time() - self.replay_timeout / 4
+                stalled = [
+                    r
+                    for r in replies.values()
+                    if r.stalled_since is not None and r.stalled_since <= since
+                ]
+                if stalled:
+                    oldest = min(stalled, key=lambda r: r.stalled_since or 0.0)
+                    self._abandon(oldest, "stalled, displaced by a new replay request")
+                else:
+                    self._refuse_replay(identity, len(replies))
+                    continue
             # A new request from a client being served restarts its reply.
             ring = self._ring
             replies[identity] = _Reply(identity, start_seq, ring.first_pos, ring.end_pos)
@@ -616,6 +622,29 @@ class ZmqSink(Sink):
             reply.next += 1
             self._replay_sent += 1
         return True
+
+    def _refuse_replay(self, identity: bytes, running: int) -> None:
+        """Every reply slot serves a client that reads: end this one's replay at once.
+
+        vLLM's wire has no refusal message; the end marker is the clear answer
+        (nothing replayed), so the client does not wait out its timeout and sees
+        the batches it asked for as a gap against the live stream.
+        """
+        self._replay_busy += 1
+        self._busy_log.log(
+            "%s: replay request from %s refused (answered with the end marker): "
+            "%d replies already running",
+            self.name,
+            identity.hex(),
+            running,
+        )
+        router = self._router
+        if router is None:
+            return
+        try:
+            _send_now(router, replay_end(identity, self.replay_layout))
+        except zmq.ZMQError:  # gone, or its pipe is full: it times out as before
+            pass
 
     def _abandon(self, reply: _Reply, reason: str) -> None:
         if self._replies.get(reply.identity) is reply:

@@ -43,6 +43,7 @@ from kvstream.sources.base import (
     PolledConnector,
     SourceHandle,
     SourceStatistics,
+    TakeEventsConnector,
     check_events,
 )
 from kvstream.sources.merge import SourceMerger
@@ -396,7 +397,7 @@ class Scheduler:
 
     def add_source(
         self,
-        source: AsyncSource | PolledConnector,
+        source: AsyncSource | PolledConnector | TakeEventsConnector,
         *,
         name: str | None = None,
         origin: str | None = None,
@@ -413,13 +414,17 @@ class Scheduler:
         if self._closed:
             raise ClosedError("add_source: the scheduler is closed")
         candidate: object = source
-        if not isinstance(candidate, PolledConnector | AsyncIterable):
-            if not callable(getattr(candidate, "take_events", None)):
-                raise InvalidEventTypeError(
-                    "add_source: expected an async iterable of events, or an object "
-                    f"with take_events(), got {type(candidate).__name__}"
-                )
-            source = PolledConnector(candidate)  # type: ignore[arg-type]
+        adapted: AsyncSource | PolledConnector
+        if isinstance(candidate, PolledConnector | AsyncIterable):
+            adapted = candidate
+        elif callable(getattr(candidate, "take_events", None)):
+            adapted = PolledConnector(candidate)  # type: ignore[arg-type]
+        else:
+            raise InvalidEventTypeError(
+                "add_source: expected an async iterable of events, or an object "
+                f"with take_events(), got {type(candidate).__name__}"
+            )
+        source = adapted
         state = self._origin(origin, data_parallel_rank)
         n = len(self._handles)
         if name is None:

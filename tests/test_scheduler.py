@@ -177,7 +177,7 @@ async def test_host_events_come_first_then_inputs_in_the_order_they_were_added()
     a, c = Connector(), Connector()
     b = Controlled()
     async with Scheduler(origin="o") as s:
-        s.add_source(a)  # type: ignore[arg-type]  # adapted automatically: it has take_events()
+        s.add_source(a)  # adapted automatically: it has take_events()
         s.add_source(b)
         s.add_source(from_take_events(c, name="remote"))
         await b.push(evs(20, 21))
@@ -371,7 +371,7 @@ async def test_a_polled_connector_that_raises_is_reported_and_not_polled_again()
 
     broken = Broken()
     async with Scheduler(origin="o") as s:
-        h = s.add_source(broken)  # type: ignore[arg-type]
+        h = s.add_source(broken)
         s.emit(ev(1))
         b = await s.tick()
         assert b is not None
@@ -482,7 +482,7 @@ async def test_aclose_seals_what_is_pending_and_delivers_it() -> None:
     conn = Connector()
     async with Scheduler(sinks=[sink], origin="o") as s:
         s.add_source(src)
-        s.add_source(conn)  # type: ignore[arg-type]
+        s.add_source(conn)
         s.emit(ev(1))
         await src.push(ev(2))
         conn.pending = evs(3)

@@ -221,7 +221,7 @@ async def run_program(
     for script, origin in initial:
         add(script, origin)
     connector = Connector()
-    s.add_source(connector, name="connector")  # type: ignore[arg-type]
+    s.add_source(connector, name="connector")
     run.add_input("connector", OWN)
     async with s:
         for op in program:

@@ -29,9 +29,10 @@ every change it made as events in batches `< next_seq`, so the provider's
 state is the state those batches describe, and the snapshot is sent as
 preceding `next_seq`; the subscriber then gets the origin's batches from
 `next_seq` on. A provider must therefore return its state as of its last
-`tick()` (the simulated engine does, when driven `astep()` then
-`tick()`). Without a scheduler, or when no tick comes within
-`snapshot_timeout`, the subscriber gets a gap notice instead.
+`tick()` (the simulated engine does: its `run_step()` hands the step's
+events to the scheduler before the tick that seals them). Without a
+scheduler, or when no tick comes within `snapshot_timeout`, the subscriber
+gets a gap notice instead.
 
 Secure by default: TCP binds `127.0.0.1` unless told otherwise, refuses a
 non-loopback address without a token, compares tokens in constant time and

@@ -736,7 +736,19 @@ class Scheduler:
     async def _tick_step(
         self, events: list[KVCacheEvent] | None, ts: float | None, rank: int | None
     ) -> EventBatch | None:
-        """A tick for a step handed over from a thread.
+        """A tick for a step handed over from a thread (see `_seal_step()`)."""
+        batches = self._seal_step(events, ts, rank)
+        if not batches:
+            return None
+        if not self._dispatch_now(batches):
+            await self._wait_dispatched(self._tickets)
+        head = batches[0]
+        return head if head.origin == self.origin else None
+
+    def _seal_step(
+        self, events: list[KVCacheEvent] | None, ts: float | None, rank: int | None
+    ) -> list[EventBatch]:
+        """Seal a step handed over from a thread; the caller hands the batches on.
 
         `events` (a publisher's step) join this origin's pending events and
         this origin seals a batch even when it is empty (one step, one seq, as
@@ -779,12 +791,7 @@ class Scheduler:
                     )
         if self._at_barrier:
             self._run_barrier_callbacks()
-        if not batches:
-            return None
-        if not self._dispatch_now(batches):
-            await self._wait_dispatched(self._tickets)
-        head = batches[0]
-        return head if head.origin == self.origin else None
+        return batches
 
     def _seal_needed(self) -> bool:
         """Whether anything but a step's own events is pending (other inputs, origins)."""

@@ -234,8 +234,9 @@ class ThreadsafeHandle:
                         if self._room_wanted:
                             self._room.set()
                         try:
-                            events = convert(entry[1])
-                            await scheduler._tick_step(events, entry[2], entry[3])
+                            batches = scheduler._seal_step(convert(entry[1]), entry[2], entry[3])
+                            if batches and not scheduler._dispatch_now(batches):
+                                await scheduler._wait_dispatched(scheduler._tickets)
                         except Exception:
                             log.exception("a step handed over from a thread failed")
                     elif kind == _EMIT:

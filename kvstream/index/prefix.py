@@ -1119,19 +1119,16 @@ class PrefixIndex:
         probe: bool,
     ) -> Any:
         hasher = self._hasher
-        if probe and n > 16:
-            v0 = hasher.values(data, 1)
-            salt = hasher.salts(token_ids, 1, lora_name, keys, wide)
-            if salt is not None:
-                v0 ^= salt
-            first = int(hasher.chain_array(hasher.root, hasher.finish(v0))[0])
+        salted = lora_name is not None or keys is not None or wide
+        if probe:  # the first block alone, without numpy: a miss stays cheap
+            salt = hasher.salts(token_ids, 1, lora_name, keys, wide) if salted else None
+            first = hasher.first_hash(data, 0 if salt is None else int(salt[0]))
             if not self._nodes.get(first):
                 return None
-        v = hasher.values(data, n)
-        salts = hasher.salts(token_ids, n, lora_name, keys, wide)
-        if salts is not None:
-            v ^= salts
-        return hasher.chain_array(hasher.root, hasher.finish(v))
+            if n == 1:
+                return [first]
+        salts = hasher.salts(token_ids, n, lora_name, keys, wide) if salted else None
+        return hasher.prompt_hashes(data, n, salts)
 
     def match(
         self,

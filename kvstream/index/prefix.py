@@ -338,6 +338,13 @@ class PrefixIndex:
         self._tier_order: list[int] = []
         #: shifts that fold every tier's field onto the first: t * width, t >= 1
         self._shifts: list[int] = []
+        #: 1 at the first bit of every tier's field: a slot mask times it is on every tier
+        self._every_tier = 0
+        #: per tier index: its rank in `_tier_order`
+        self._tier_rank: list[int] = []
+        #: the index's own weights per tier index, and those tiers heaviest first (made
+        #: when first needed after a new tier)
+        self._weight_cache: tuple[list[float], list[int]] | None = None
         self._logged: set[tuple[str, str]] = set()
         self._counts: dict[str, int] = dict.fromkeys(
             (
@@ -644,7 +651,7 @@ class PrefixIndex:
                 new |= ((v >> (t * old)) & field) << (t * width)
             nodes[own] = canon(new, new)
         self._width = width
-        self._shifts = [t * width for t in range(1, len(self._tiers))]
+        self._layout_changed()
         self._table_stale = True
         for state in self._streams.values():
             self._set_bits(state)
@@ -664,10 +671,21 @@ class PrefixIndex:
         self._tier_order = sorted(
             range(len(self._tiers)), key=lambda i: (rank.get(self._tiers[i], len(rank)), i)
         )
-        self._shifts = [i * self._width for i in range(1, len(self._tiers))]
+        self._layout_changed()
         for state in self._streams.values():
             self._set_bits(state)
         return t
+
+    def _layout_changed(self) -> None:
+        """Derive what a match needs from the tiers and the width (both change rarely)."""
+        width = self._width
+        ntiers = len(self._tiers)
+        self._shifts = [t * width for t in range(1, ntiers)]
+        self._every_tier = sum(1 << (t * width) for t in range(ntiers))
+        self._tier_rank = [0] * ntiers
+        for i, t in enumerate(self._tier_order):
+            self._tier_rank[t] = i
+        self._weight_cache = None
 
     def _set_stale(self, state: _Stream, reason: str) -> None:
         if not state.stale:
@@ -748,8 +766,8 @@ class PrefixIndex:
             and lru is None
             and not state.orphans
             and not state.spans
-            and not any(map(blocks.__contains__, keys))
-            and not (recent and any(map(recent.__contains__, keys)))
+            and blocks.keys().isdisjoint(keys)
+            and not (recent and not recent.keys().isdisjoint(keys))
         ):
             # The usual event: every block new, its chain known. In bulk, in C where it can be;
             # the hashes of a run of chained stores are computed once, with numpy.
@@ -763,10 +781,10 @@ class PrefixIndex:
             owns = chained[offset : offset + m]
             self._run_cache = (first + m, owns[-1], chained, offset + m)
             blocks.update(zip(keys, owns, strict=True))
-            self._dirty.update(zip(owns, repeat(None)))
+            self._dirty.update(dict.fromkeys(owns))
             olds = list(map(nodes.get, owns, repeat(0)))
             if not any(olds):  # blocks no stream holds yet
-                nodes.update(zip(owns, repeat(bit)))
+                nodes.update(dict.fromkeys(owns, bit))
                 state.held[t] += len(owns)
             elif not any(map(operator.and_, olds, repeat(bit))):
                 merged = list(map(operator.or_, olds, repeat(bit)))
@@ -1238,16 +1256,15 @@ class PrefixIndex:
             return []
         width = self._width
         ntiers = len(self._tiers)
-        tier_alive = 0  # (tier, slot) bits still within their tier's leading run
-        for t in range(ntiers):
-            tier_alive |= active << (t * width)
+        # (tier, slot) bits still within their tier's leading run
+        tier_alive = active * self._every_tier
         alive = active  # slots still within their any-tier leading run
         ended_at: dict[int, tuple[int, int]] = {}  # slot -> (blocks, holders of the last)
         tier_len: dict[int, int] = {}  # (tier, slot) bit -> leading blocks on that tier
         #: blocks per distinct holders value since `alive` last changed (scored in bulk)
         segment: dict[int, int] = {}
         score: dict[int, float] = {}
-        weights = self._weights(tier_weights)
+        weights, heaviest = self._weights(tier_weights)
         shifts = self._shifts
         prev_v = 0
         seen: set[int] = set()
@@ -1269,7 +1286,7 @@ class PrefixIndex:
                 held |= v >> shift
             held &= alive
             if held != alive:
-                self._score(segment, alive, weights, score)
+                self._score(segment, alive, weights, heaviest, score)
                 segment = {}
                 gone = alive & ~held
                 alive = held
@@ -1282,7 +1299,7 @@ class PrefixIndex:
             segment[v] = segment.get(v, 0) + end - start
             prev_v = v
         if alive:
-            self._score(segment, alive, weights, score)
+            self._score(segment, alive, weights, heaviest, score)
         while alive:
             low = alive & -alive
             alive ^= low
@@ -1295,7 +1312,10 @@ class PrefixIndex:
                 continue
             state = self._slots[slot]
             assert state is not None
-            medium = next(tiers[t] for t in order if last >> (t * width + slot) & 1)
+            for t in order:
+                if last >> (t * width + slot) & 1:
+                    medium = tiers[t]
+                    break
             per_tier = {}
             for t in range(ntiers):
                 b = 1 << (t * width + slot)
@@ -1313,7 +1333,9 @@ class PrefixIndex:
                     round(score.get(slot, 0.0), 6),
                 )
             )
-        rank = {t: i for i, t in enumerate(order)}
+        if len(results) < 2:
+            return results
+        rank = self._tier_rank
         index = self._tier_index
         results.sort(
             key=lambda m: (
@@ -1370,12 +1392,17 @@ class PrefixIndex:
         return runs, [found[s] for s, _ in runs]
 
     def _score(
-        self, segment: dict[int, int], alive: int, weights: list[float], score: dict[int, float]
+        self,
+        segment: dict[int, int],
+        alive: int,
+        weights: list[float],
+        order: list[int],
+        score: dict[int, float],
     ) -> None:
-        """Add, per slot of `alive`, its blocks of `segment` times their best tier's weight."""
+        """Add, per slot of `alive`, its blocks of `segment` times their best tier's
+        weight (`order`: the tiers, heaviest first)."""
         width = self._width
         field = (1 << width) - 1
-        order = sorted(range(len(weights)), key=lambda t: -weights[t])
         for v, count in segment.items():
             rest = alive
             for t in order:
@@ -1392,12 +1419,19 @@ class PrefixIndex:
                 if not rest:
                     break
 
-    def _weights(self, override: Mapping[str, float] | None) -> list[float]:
+    def _weights(self, override: Mapping[str, float] | None) -> tuple[list[float], list[int]]:
+        """The weight of each tier index, and the tier indices heaviest first."""
         table = (
             self.tier_weights if override is None else _checked_weights(override, "tier_weights")
         )
         d = self.default_weight
-        return [table.get(name, d) for name in self._tiers]
+        weights = [table.get(name, d) for name in self._tiers]
+        cache = self._weight_cache
+        if cache is not None and cache[0] == weights:
+            return cache
+        order = sorted(range(len(weights)), key=lambda t: -weights[t])
+        self._weight_cache = cache = (weights, order)
+        return cache
 
     # -- state -------------------------------------------------------------------------------
 

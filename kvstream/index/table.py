@@ -10,7 +10,7 @@ prompt.
 
 A key lives in its home bucket (`key & mask`) when that has a free slot, else
 in the next bucket with one (linear probing over buckets, rare at the load
-kept here: about 3 keys per bucket of 8).
+kept here: 1.5 to 4 keys per bucket of 8).
 
 It is a cache, kept in step lazily: the index records which own hashes it
 changed (`NodeTable.dirty`), and `NodeTable.sync()` writes their
@@ -33,26 +33,32 @@ if TYPE_CHECKING:
 
     U64 = npt.NDArray[np.uint64]
 
-__all__ = ["BUCKET", "NodeTable"]
+__all__ = ["BUCKET", "EMPTY", "NodeTable"]
 
 #: slots per bucket: 8 uint64 keys are one cache line
 BUCKET: Final = 8
 _MIN_BUCKETS: Final = 1 << 9
-#: keys per bucket, on average, right after a rebuild (the table grows at twice that)
+#: keys per bucket, on average, at most right after a rebuild
 _FILL: Final = 3
+#: keys (live and dead) per bucket, on average, that make the next sync rebuild: at 4 of
+#: 8, about 0.3% of the keys live past their home bucket
+_GROW: Final = 4
+#: the key of an empty slot
+EMPTY: Final = (1 << 64) - 1
 
 
 class NodeTable:
-    """Buckets of (own hash + 1) keys and their holders: key 0 marks an empty slot;
-    the count of buckets is a power of two."""
+    """Buckets of own hashes and their holders: `EMPTY` marks an empty slot (an own
+    hash has 60 bits, so it is never one); the count of buckets is a power of two."""
 
     __slots__ = ("_keys", "_mask", "_used", "_vals", "dirty")
 
     def __init__(self) -> None:
         import numpy as np  # imported on first use: `import kvstream` stays light
 
-        self._keys: Any = np.zeros((_MIN_BUCKETS, BUCKET), dtype=np.uint64)
-        self._vals: Any = np.zeros((_MIN_BUCKETS, BUCKET), dtype=np.uint64)
+        self._keys: Any = np.full((_MIN_BUCKETS, BUCKET), EMPTY, dtype=np.uint64)
+        #: flat: slot `bucket * BUCKET + i`
+        self._vals: Any = np.zeros(_MIN_BUCKETS * BUCKET, dtype=np.uint64)
         self._mask = _MIN_BUCKETS - 1
         self._used = 0
         #: own hashes changed in the dict since the last sync (a dict of ints, None:
@@ -76,8 +82,8 @@ class NodeTable:
             v = np.array(values, dtype=np.uint64)
         except OverflowError:
             return False
-        k = np.array(keys, dtype=np.uint64) + np.uint64(1)
-        if self._used + len(k) > 2 * _FILL * len(self._keys):  # full enough: start afresh
+        k = np.array(keys, dtype=np.uint64)
+        if self._used + len(k) > _GROW * len(self._keys):  # full enough: start afresh
             self.rebuild(nodes)
             return True
         self._upsert(k, v)
@@ -93,10 +99,10 @@ class NodeTable:
         while buckets * _FILL < n:
             buckets *= 2
         self.dirty.clear()
-        k = np.fromiter(nodes.keys(), dtype=np.uint64, count=n) + np.uint64(1)
+        k = np.fromiter(nodes.keys(), dtype=np.uint64, count=n)
         v = np.fromiter(nodes.values(), dtype=np.uint64, count=n)
-        self._keys = np.zeros((buckets, BUCKET), dtype=np.uint64)
-        self._vals = np.zeros((buckets, BUCKET), dtype=np.uint64)
+        self._keys = np.full((buckets, BUCKET), EMPTY, dtype=np.uint64)
+        self._vals = np.zeros(buckets * BUCKET, dtype=np.uint64)
         self._mask = buckets - 1
         self._used = 0
         if not n:
@@ -104,7 +110,7 @@ class NodeTable:
         # Most keys go straight to their home bucket, in one pass: sorted by bucket, a
         # key's rank among its bucket's keys is its slot. The few past a bucket's end
         # are inserted one round at a time.
-        home = (k & np.uint64(self._mask)).astype(np.intp)
+        home = k.view(np.intp) & self._mask
         order = np.argsort(home, kind="stable")
         home = home[order]
         starts = np.flatnonzero(np.r_[True, home[1:] != home[:-1]])
@@ -113,7 +119,7 @@ class NodeTable:
         direct = rank < BUCKET
         placed = order[direct]
         self._keys[home[direct], rank[direct]] = k[placed]
-        self._vals[home[direct], rank[direct]] = v[placed]
+        self._vals[home[direct] * BUCKET + rank[direct]] = v[placed]
         self._used = len(placed)
         rest = order[~direct]
         if len(rest):
@@ -131,14 +137,14 @@ class NodeTable:
             known = where >= 0
             if known.any():
                 at = where[known]
-                vals.reshape(-1)[at] = v[known]
+                vals[at] = v[known]
                 k = k[~known]
                 v = v[~known]
-        bucket = (k & np.uint64(mask)).astype(np.intp)
+        bucket = k.view(np.intp) & mask
         pending = np.arange(len(k))
         while len(pending):
             b = bucket[pending]
-            free = keys.take(b, axis=0) == 0  # (pending, BUCKET)
+            free = keys.take(b, axis=0) == EMPTY  # (pending, BUCKET)
             has = free.any(axis=1)
             # Full buckets: the key moves on to the next one.
             full = pending[~has]
@@ -153,7 +159,7 @@ class NodeTable:
                 wb = bucket[won]
                 slot = free[has][first].argmax(axis=1)
                 keys[wb, slot] = k[won]
-                vals[wb, slot] = v[won]
+                vals[wb * BUCKET + slot] = v[won]
                 self._used += len(won)
                 pending = np.setdiff1d(pending, won, assume_unique=True)
             else:
@@ -163,12 +169,12 @@ class NodeTable:
         """The flat slot of each key `k`, -1 where it is not in the table."""
         import numpy as np
 
-        bucket = (k & np.uint64(self._mask)).astype(np.intp)
+        bucket = k.view(np.intp) & self._mask
         rows = self._keys.take(bucket, axis=0)  # take: much faster than rows[bucket]
         match = rows == k[:, None]
         found = match.any(axis=1)
         out = np.where(found, bucket * BUCKET + match.argmax(axis=1), -1)
-        for i in np.flatnonzero(~found & (rows != 0).all(axis=1)).tolist():
+        for i in np.flatnonzero(~found & (rows != EMPTY).all(axis=1)).tolist():
             out[i] = self._probe_on(int(k[i]), int(bucket[i]))
         return out
 
@@ -180,7 +186,7 @@ class NodeTable:
             row: list[int] = keys[bucket].tolist()
             if key in row:
                 return bucket * BUCKET + row.index(key)
-            if 0 in row:
+            if EMPTY in row:
                 return -1
 
     def lookup(self, own: Any) -> Any:
@@ -192,20 +198,19 @@ class NodeTable:
         """
         import numpy as np
 
-        k = own + np.uint64(1)
-        bucket = (k & np.uint64(self._mask)).astype(np.intp)
-        rows = self._keys.take(bucket, axis=0)
-        match = rows == k[:, None]
-        at = bucket * BUCKET
+        at = own.view(np.intp) & self._mask  # the home bucket (own hashes are < 2**60)
+        rows = self._keys.take(at, axis=0)
+        match = rows == own[:, None]
+        at *= BUCKET
         at += match.argmax(axis=1)
-        flat = self._vals.reshape(-1)
-        out = flat.take(at)
-        if np.count_nonzero(match) == len(k):  # a key is at most once in the table
+        vals = self._vals
+        out = vals.take(at)
+        if np.count_nonzero(match) == len(own):  # a key is at most once in the table
             return out
         found = match.any(axis=1)
         out[~found] = 0
-        for i in np.flatnonzero(~found & (rows != 0).all(axis=1)).tolist():
-            slot = self._probe_on(int(k[i]), int(bucket[i]))
+        for i in np.flatnonzero(~found & (rows != EMPTY).all(axis=1)).tolist():
+            slot = self._probe_on(int(own[i]), int(at[i]) // BUCKET)
             if slot >= 0:
-                out[i] = flat[slot]
+                out[i] = vals[slot]
         return out

@@ -121,6 +121,7 @@ class BlockHasher:
         "_k2",
         "_odd",
         "_ones",
+        "_pack",
         "_pow",
         "_py_k1",
         "_py_k2",
@@ -162,6 +163,7 @@ class BlockHasher:
         self._unpack = struct.Struct(
             f"<{block_size}I" if self._odd else f"<{self._words}Q"
         ).unpack_from
+        self._pack = struct.Struct(f"<{block_size}I").pack
         #: a row sum as a matrix product: several times cheaper than sum(axis=1) in numpy
         self._ones = np.ones(self._words, dtype=np.uint64)
         self._s32 = np.uint64(32)
@@ -213,14 +215,22 @@ class BlockHasher:
     def first_hash(self, data: Any, salt: int = 0) -> int:
         """The own hash of the first block of `data` (as `values()` reads it), chained
         on the root, in pure Python: for one block, cheaper than numpy's fixed costs."""
+        return self._one(self.root, self._unpack(data), salt)
+
+    def block_hash(self, parent: int, tokens: Sequence[int], salt: int = 0) -> int:
+        """The own hash of one block of `block_size` tokens (each below `2**32`)
+        chained on `parent`, in pure Python. Raises `struct.error` for other tokens."""
+        return self._one(parent, self._unpack(self._pack(*tokens)), salt)
+
+    def _one(self, parent: int, words: Sequence[int], salt: int) -> int:
         k1 = self._py_k1
         v = 0
-        for w, s in zip(self._unpack(data), self._py_seeds, strict=True):
+        for w, s in zip(words, self._py_seeds, strict=True):
             x = (w ^ s) * k1 & _M64
             v += x ^ x >> 32
         v = ((v & _M64) ^ salt) * self._py_k2 & _M64
         v ^= v >> 29
-        return (self.root * self.multiplier + v) & _MASK
+        return (parent * self.multiplier + v) & _MASK
 
     def prompt_hashes(self, data: Any, n: int, salts: U64 | None = None) -> U64:
         """The own hashes of the first `n` blocks of `data`, chained on the root:

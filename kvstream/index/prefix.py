@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import struct
 import sys
 import time
 from collections import OrderedDict
@@ -165,6 +166,14 @@ class IndexStatistics(NamedTuple):
     evicted: int = 0
     #: blocks stored with a block size that is a multiple of the index's (mapped 1:many)
     remapped_blocks: int = 0
+    #: blocks stored with a block size that divides the index's (mapped many:1)
+    divided_blocks: int = 0
+    #: blocks of a divisor size whose parent's place in an index block is unknown (its
+    #: parent was never seen, or left): ignored, as their descendants of that size
+    unaligned_blocks: int = 0
+    #: blocks of a divisor size with extra keys besides the adapter (multimodal, cache
+    #: salt): which index block they would salt is not defined, so they are ignored
+    unmapped_extra_keys: int = 0
     #: blocks of stores with fewer hashes than blocks of tokens (vLLM's sliding-window
     #: and Mamba groups skip null blocks): which index blocks the hashes name is not
     #: known from the root, so they are counted and ignored, never chained wrongly
@@ -199,6 +208,7 @@ class _Stream:
         "name",
         "next_seq",
         "orphans",
+        "partial",
         "rank",
         "recent",
         "retired",
@@ -225,6 +235,9 @@ class _Stream:
         self.blocks: dict[int, int] = {}
         #: engine hash -> own hashes, for engine blocks of several index blocks
         self.spans: dict[int, list[int]] = {}
+        #: engine hash -> (own hash of the last full index block before it, the tokens
+        #: since), for engine blocks of a divisor size that end inside an index block
+        self.partial: dict[int, tuple[int, list[int]]] = {}
         #: engine hash -> own hash of blocks that left every tier, oldest first
         self.recent: OrderedDict[int, int] = OrderedDict()
         #: own hash | tier << 60 -> references beyond the first
@@ -252,7 +265,9 @@ class PrefixIndex:
     """Which stream holds how long a prefix of a prompt, on which tiers.
 
     `block_size` is the index's; events whose block size is a multiple of it
-    are split into index blocks (1:many), others are counted and ignored.
+    are split into index blocks (1:many), those whose block size divides it are
+    gathered into index blocks (many:1: the engine block that fills an index
+    block stands for it), others are counted and ignored.
     `seed` keys the index's own block hashes. `keep_removed` blocks per
     stream are remembered after they leave every tier, so that late placeholders
     and children still resolve; `max_orphans` bounds, per stream, the blocks
@@ -323,7 +338,7 @@ class PrefixIndex:
         self._dirty: dict[int, None] = self._table.dirty if self._table is not None else {}
         self._table_stale = False
         #: prompts shorter than this look up in the dict (numpy's fixed costs are higher)
-        self._table_min_blocks = 128
+        self._table_min_blocks = 48
         #: the current batch's block values, and the last run of chained hashes computed
         self._batch_fin: Any = None
         self._run_cache: tuple[int, int, list[int], int] | None = None
@@ -366,6 +381,9 @@ class PrefixIndex:
                 "evicted",
                 "remapped_blocks",
                 "skipped_blocks",
+                "divided_blocks",
+                "unaligned_blocks",
+                "unmapped_extra_keys",
             ),
             0,
         )
@@ -732,8 +750,11 @@ class PrefixIndex:
             self._store_placeholders(state, _fold_all(hashes), t)
             return
         if prepared is None:
-            if event.block_size and len(event.token_ids) != len(hashes) * event.block_size:
+            size = event.block_size
+            if size and len(event.token_ids) != len(hashes) * size:
                 self._note(state, "skipped_blocks", len(hashes))
+            elif 0 < size < self.block_size and self.block_size % size == 0:
+                self._store_divided(state, event, t)
             else:  # a block size the index cannot map
                 self._note(state, "wrong_block_size", len(hashes))
             return
@@ -844,6 +865,78 @@ class PrefixIndex:
         if lru is not None and len(lru) > self.max_blocks:  # type: ignore[operator]
             self._evict()
 
+    def _store_divided(self, state: _Stream, event: BlockStored, t: int) -> None:
+        """Engine blocks of a size that divides the index's (many:1): tokens gather until
+        an index block is full; the engine block that fills it stands for it.
+
+        An engine block ending inside an index block keeps the tokens since the last
+        full one (in `partial`), so that its children can go on from there.
+        """
+        hashes = event.block_hashes
+        keys = _fold_all(hashes)
+        lora = event.lora_name
+        extra = event.extra_keys
+        if extra is not None and any(split_lora(lora, e) is not None for e in extra):
+            self._note(state, "unmapped_extra_keys", len(keys))
+            return
+        size = event.block_size
+        state.block_size = size
+        blocks = state.blocks
+        partial = state.partial
+        parent = event.parent_block_hash
+        pending: list[int] = []
+        if parent is None:
+            prev = self._hasher.root
+        else:
+            prev_key = parent & _ENGINE_MASK if type(parent) is int else fold_engine_hash(parent)
+            found = blocks.get(prev_key)
+            if found is None and state.recent:
+                found = state.recent.get(prev_key)
+            if found is not None:
+                prev = found
+            elif prev_key in partial:
+                prev, pending = partial[prev_key]
+            else:
+                self._note(state, "unaligned_blocks", len(keys))
+                return
+        self._counts["divided_blocks"] += len(keys)
+        tokens = event.token_ids
+        full = self.block_size
+        lru = self._lru
+        hasher = self._hasher
+        salt = hasher.salt(lora, None)
+        for i, key in enumerate(keys):
+            own = blocks.get(key)
+            if own is not None:  # stored again (another tier): the same index block
+                if lru is not None:
+                    lru.move_to_end(state.slot << 60 | key)
+                self._add(state, own, t)
+                prev, pending = own, []
+                continue
+            known = partial.get(key)
+            if known is not None:
+                prev, pending = known
+                continue
+            pending = pending + list(tokens[i * size : (i + 1) * size])
+            if len(pending) < full:
+                partial[key] = (prev, pending)
+                continue
+            try:
+                own = hasher.block_hash(prev, pending, salt)
+            except struct.error:  # a token of 32 bits or more: the general path
+                own = hasher.chain(prev, pending, lora)[0]
+            if state.recent:
+                state.recent.pop(key, None)
+            blocks[key] = own
+            if lru is not None:
+                lru[state.slot << 60 | key] = None
+            self._add(state, own, t)
+            if state.orphans:
+                self._resolve(state, key, own)
+            prev, pending = own, []
+        if lru is not None and len(lru) > self.max_blocks:  # type: ignore[operator]
+            self._evict()
+
     def _evict(self) -> None:
         """Drop least recently stored (stream, block) entries down to `max_blocks`."""
         lru = self._lru
@@ -914,7 +1007,7 @@ class PrefixIndex:
             orphan = state.orphans.get(key)
             if orphan is not None:
                 orphan.tiers.append(t)
-            else:
+            elif key not in state.partial:  # a partial engine block holds no index block
                 self._note(state, "unknown_placeholders")
         if lru is not None and len(lru) > self.max_blocks:  # type: ignore[operator]
             self._evict()
@@ -949,6 +1042,8 @@ class PrefixIndex:
         for key in _fold_all(hashes):
             own = blocks.get(key)
             if own is None:
+                if state.partial and state.partial.pop(key, None) is not None:
+                    continue  # an engine block inside an index block: nothing was held
                 orphan = state.orphans.get(key)
                 if orphan is not None and t in orphan.tiers:
                     orphan.tiers.remove(t)
@@ -1030,6 +1125,7 @@ class PrefixIndex:
                 self._lru.pop(tag | key, None)
         state.blocks = {}
         state.spans = {}
+        state.partial = {}
         state.recent = OrderedDict()
         state.dups = {}
         state.orphans = {}
@@ -1503,6 +1599,8 @@ class PrefixIndex:
         for s in self._streams.values():
             total += size(s.blocks) + 32 * len(s.blocks)  # engine hash keys
             total += size(s.spans) + 100 * len(s.spans)
+            total += size(s.partial) + 100 * len(s.partial)
+            total += sum(size(p) + 8 * len(p) for _, p in s.partial.values())
             total += size(s.recent) + 64 * len(s.recent)
             total += size(s.dups) + 64 * len(s.dups)
             total += size(s.orphans) + size(s.waiting)

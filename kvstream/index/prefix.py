@@ -1268,7 +1268,7 @@ class PrefixIndex:
         own = self._own_hashes(token_ids, n, lora_name, extra_keys, probe=True)
         if own is None or not self._nodes:
             return []
-        return self._match_hashes(own, include_stale, tier_weights)
+        return self._match_hashes(own, include_stale, tier_weights, probed=True)
 
     def match_bytes(
         self,
@@ -1292,7 +1292,7 @@ class PrefixIndex:
         own = self._hash_data(data, n, lora_name, keys, (), False, True)
         if own is None:
             return []
-        return self._match_hashes(own, include_stale, tier_weights)
+        return self._match_hashes(own, include_stale, tier_weights, probed=True)
 
     def match_engine_hashes(
         self,
@@ -1335,8 +1335,10 @@ class PrefixIndex:
         own: Any,
         include_stale: bool,
         tier_weights: Mapping[str, float] | None,
+        probed: bool = False,
     ) -> list[PrefixMatch]:
-        """`own`: the prompt's own hashes, a list or a uint64 array."""
+        """`own`: the prompt's own hashes, a list or a uint64 array (`probed`: the
+        first is known to be held)."""
         if self.ttl is not None:
             now = self._clock()
             if now >= self._next_expiry:
@@ -1347,7 +1349,7 @@ class PrefixIndex:
         n = len(own)
         if not n or not active:
             return []
-        runs, run_values = self._holders(own, n)
+        runs, run_values = self._holders(own, n, probed)
         if not runs:
             return []
         width = self._width
@@ -1445,10 +1447,13 @@ class PrefixIndex:
         )
         return results
 
-    def _holders(self, own: Any, n: int) -> tuple[list[tuple[int, int]], list[int]]:
+    def _holders(
+        self, own: Any, n: int, probed: bool = False
+    ) -> tuple[list[tuple[int, int]], list[int]]:
         """Runs `[start, end)` of blocks with equal holders, and those holders, up to the
-        prompt's end; nothing when no stream holds the first block."""
-        if not self._nodes.get(int(own[0])):  # the usual miss: nothing to look up
+        prompt's end; nothing when no stream holds the first block (`probed`: some
+        stream does, the caller checked)."""
+        if not probed and not self._nodes.get(int(own[0])):  # a miss: nothing to look up
             return [], []
         table = self._table if n >= self._table_min_blocks else None
         if table is not None:
@@ -1467,9 +1472,10 @@ class PrefixIndex:
             if type(own) is list:
                 own = np.array(own, dtype=np.uint64)
             vals = table.lookup(own)
-            if not vals[0]:
-                return [], []
-            cuts: list[int] = (np.flatnonzero(vals[1:] != vals[:-1]) + 1).tolist()
+            changed = vals[1:] != vals[:-1]
+            if not changed.any():  # one run: the usual answer
+                return [(0, n)], [int(vals[0])]
+            cuts: list[int] = (np.flatnonzero(changed) + 1).tolist()
             starts = [0, *cuts]
             values: list[int] = vals[starts].tolist()
             return list(zip(starts, [*cuts, n], strict=True)), values

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
+
+import pytest
 
 from kvstream.bench.index_runner import _rows
 
@@ -39,3 +42,14 @@ def test_the_benchmark_functions_run_and_report_every_key() -> None:
     assert "match 8192-token prompt (hit, bytes API)" in names
     assert "HTTP /match, 8192 tokens, binary body" in names
     assert "apply (blocks/s)" in names
+
+
+def test_only_and_sizes_run_a_part_of_the_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _script()
+    assert bench.main(["--only", "apply,gc", "--sizes", "2048", "--repeat", "1", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert {"apply_2048", "gc"} <= set(results)
+    assert not any(k.startswith(("match_", "memory_", "http", "apply_sim")) for k in results)
+    with pytest.raises(SystemExit):
+        bench.main(["--only", "apply,nothing"])
+    assert "unknown parts ['nothing']" in capsys.readouterr().err

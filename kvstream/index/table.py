@@ -10,7 +10,7 @@ prompt.
 
 A key lives in its home bucket (`key & mask`) when that has a free slot, else
 in the next bucket with one (linear probing over buckets, rare at the load
-kept here: 1.5 to 4 keys per bucket of 8).
+kept here: 2 to 5 keys per bucket of 8).
 
 It is a cache, kept in step lazily: the index records which own hashes it
 changed (`NodeTable.dirty`), and `NodeTable.sync()` writes their
@@ -38,11 +38,11 @@ __all__ = ["BUCKET", "EMPTY", "NodeTable"]
 #: slots per bucket: 8 uint64 keys are one cache line
 BUCKET: Final = 8
 _MIN_BUCKETS: Final = 1 << 9
-#: keys per bucket, on average, at most right after a rebuild
-_FILL: Final = 3
-#: keys (live and dead) per bucket, on average, that make the next sync rebuild: at 4 of
-#: 8, about 0.3% of the keys live past their home bucket
-_GROW: Final = 4
+#: keys per bucket, on average, at most right after a rebuild (2 to 4: 32 to 64 bytes a key)
+_FILL: Final = 4
+#: keys (live and dead) per bucket, on average, that make the next sync rebuild: at 5 of
+#: 8, about 2% of the keys live past their home bucket (at 4, 0.3%)
+_GROW: Final = 5
 #: the key of an empty slot
 EMPTY: Final = (1 << 64) - 1
 
@@ -167,50 +167,49 @@ class NodeTable:
 
     def _find(self, k: U64) -> Any:
         """The flat slot of each key `k`, -1 where it is not in the table."""
-        import numpy as np
+        return self._slots(k)[0]
 
-        bucket = k.view(np.intp) & self._mask
-        rows = self._keys.take(bucket, axis=0)  # take: much faster than rows[bucket]
-        match = rows == k[:, None]
-        found = match.any(axis=1)
-        out = np.where(found, bucket * BUCKET + match.argmax(axis=1), -1)
-        for i in np.flatnonzero(~found & (rows != EMPTY).all(axis=1)).tolist():
-            out[i] = self._probe_on(int(k[i]), int(bucket[i]))
-        return out
+    def _slots(self, k: U64) -> tuple[Any, bool]:
+        """The flat slot of each key `k` (-1 where it is not in the table), and
+        whether every key was found.
 
-    def _probe_on(self, key: int, bucket: int) -> int:
-        """The flat slot of `key`, which is not in the full bucket `bucket`; -1 if absent."""
-        keys = self._keys
-        while True:
-            bucket = (bucket + 1) & self._mask
-            row: list[int] = keys[bucket].tolist()
-            if key in row:
-                return bucket * BUCKET + row.index(key)
-            if EMPTY in row:
-                return -1
-
-    def lookup(self, own: Any) -> Any:
-        """Holders of each own hash (a uint64 array), 0 where none.
-
-        One gather of each key's home bucket (one cache line of keys), one
-        comparison, one gather of the values; the rare key past its home bucket
-        is probed on.
+        One gather of each key's home bucket (a cache line of keys) and one
+        comparison; keys not found in a full bucket go on to the next one, all
+        of them at once, until a bucket with an empty slot ends their search.
         """
         import numpy as np
 
-        at = own.view(np.intp) & self._mask  # the home bucket (own hashes are < 2**60)
-        rows = self._keys.take(at, axis=0)
-        match = rows == own[:, None]
-        at *= BUCKET
+        keys = self._keys
+        mask = self._mask
+        bucket = k.view(np.intp) & mask  # own hashes are < 2**60: the same as unsigned
+        rows = keys.take(bucket, axis=0)  # take: much faster than keys[bucket]
+        match = rows == k[:, None]
+        at = bucket * BUCKET
         at += match.argmax(axis=1)
-        vals = self._vals
-        out = vals.take(at)
-        if np.count_nonzero(match) == len(own):  # a key is at most once in the table
-            return out
+        if np.count_nonzero(match) == len(k):  # a key is at most once in the table
+            return at, True
         found = match.any(axis=1)
-        out[~found] = 0
-        for i in np.flatnonzero(~found & (rows != EMPTY).all(axis=1)).tolist():
-            slot = self._probe_on(int(own[i]), int(at[i]) // BUCKET)
-            if slot >= 0:
-                out[i] = vals[slot]
+        at[~found] = -1
+        pending = np.flatnonzero(~found & (rows != EMPTY).all(axis=1))
+        while len(pending):
+            b = (bucket[pending] + 1) & mask
+            bucket[pending] = b
+            rows = keys.take(b, axis=0)
+            match = rows == k[pending][:, None]
+            found = match.any(axis=1)
+            at[pending[found]] = b[found] * BUCKET + match[found].argmax(axis=1)
+            pending = pending[~found & (rows != EMPTY).all(axis=1)]
+        return at, False
+
+    def lookup(self, own: Any) -> Any:
+        """Holders of each own hash (a uint64 array), 0 where none: `_slots()`,
+        then one gather of the values."""
+        at, complete = self._slots(own)
+        vals = self._vals
+        if complete:
+            return vals.take(at)
+        missing = at < 0
+        at[missing] = 0
+        out = vals.take(at)
+        out[missing] = 0
         return out

@@ -8,7 +8,8 @@ vectorized pass (a gather of one bucket per hash, then one comparison), so
 their misses overlap and numpy is called a fixed, small number of times per
 prompt.
 
-A key lives in its home bucket (`key & mask`) when that has a free slot, else
+A key lives in its home bucket (its low 32 bits scaled to the count of buckets,
+which can then be any) when that has a free slot, else
 in the next bucket with one (linear probing over buckets, rare at the load
 kept here: 2 to 5 keys per bucket of 8).
 
@@ -35,31 +36,34 @@ if TYPE_CHECKING:
 
 __all__ = ["BUCKET", "EMPTY", "NodeTable"]
 
-#: slots per bucket: 8 uint64 keys are one cache line
+#: slots per bucket: 8 uint64 keys are one cache line (and a lookup reads a row of 8
+#: booleans as one uint64)
 BUCKET: Final = 8
 _MIN_BUCKETS: Final = 1 << 9
-#: keys per bucket, on average, at most right after a rebuild (2 to 4: 32 to 64 bytes a key)
-_FILL: Final = 4
-#: keys (live and dead) per bucket, on average, that make the next sync rebuild: at 5 of
-#: 8, about 2% of the keys live past their home bucket (at 4, 0.3%)
-_GROW: Final = 5
+#: keys per bucket right after a rebuild (43 bytes a key)
+_FILL: Final = 3
+#: keys (live and dead) per bucket that make the next sync rebuild (32 bytes a key); up to
+#: there, about 0.1 to 0.3% of the keys live past their home bucket
+_GROW: Final = 4
+#: a row of BUCKET booleans, all True, read as one uint64
+_ALL_TRUE: Final = 0x0101010101010101
 #: the key of an empty slot
 EMPTY: Final = (1 << 64) - 1
 
 
 class NodeTable:
     """Buckets of own hashes and their holders: `EMPTY` marks an empty slot (an own
-    hash has 60 bits, so it is never one); the count of buckets is a power of two."""
+    hash has 60 bits, so it is never one)."""
 
-    __slots__ = ("_keys", "_mask", "_used", "_vals", "dirty")
+    __slots__ = ("_buckets", "_keys", "_used", "_vals", "dirty")
 
     def __init__(self) -> None:
         import numpy as np  # imported on first use: `import kvstream` stays light
 
         self._keys: Any = np.full((_MIN_BUCKETS, BUCKET), EMPTY, dtype=np.uint64)
-        #: flat: slot `bucket * BUCKET + i`
-        self._vals: Any = np.zeros(_MIN_BUCKETS * BUCKET, dtype=np.uint64)
-        self._mask = _MIN_BUCKETS - 1
+        #: flat: slot `bucket * BUCKET + i`; one more, always 0, for slot -1 (no key)
+        self._vals: Any = np.zeros(_MIN_BUCKETS * BUCKET + 1, dtype=np.uint64)
+        self._buckets = _MIN_BUCKETS
         self._used = 0
         #: own hashes changed in the dict since the last sync (a dict of ints, None:
         #: unlike a set, the garbage collector does not track it)
@@ -95,22 +99,20 @@ class NodeTable:
         import numpy as np
 
         n = len(nodes)
-        buckets = _MIN_BUCKETS
-        while buckets * _FILL < n:
-            buckets *= 2
+        buckets = max(_MIN_BUCKETS, -(-n // _FILL))
         self.dirty.clear()
         k = np.fromiter(nodes.keys(), dtype=np.uint64, count=n)
         v = np.fromiter(nodes.values(), dtype=np.uint64, count=n)
         self._keys = np.full((buckets, BUCKET), EMPTY, dtype=np.uint64)
-        self._vals = np.zeros(buckets * BUCKET, dtype=np.uint64)
-        self._mask = buckets - 1
+        self._vals = np.zeros(buckets * BUCKET + 1, dtype=np.uint64)
+        self._buckets = buckets
         self._used = 0
         if not n:
             return
         # Most keys go straight to their home bucket, in one pass: sorted by bucket, a
         # key's rank among its bucket's keys is its slot. The few past a bucket's end
         # are inserted one round at a time.
-        home = k.view(np.intp) & self._mask
+        home = self._home(k)
         order = np.argsort(home, kind="stable")
         home = home[order]
         starts = np.flatnonzero(np.r_[True, home[1:] != home[:-1]])
@@ -131,7 +133,7 @@ class NodeTable:
 
         keys = self._keys
         vals = self._vals
-        mask = self._mask
+        buckets = self._buckets
         if not new:
             where = self._find(k)
             known = where >= 0
@@ -140,7 +142,7 @@ class NodeTable:
                 vals[at] = v[known]
                 k = k[~known]
                 v = v[~known]
-        bucket = k.view(np.intp) & mask
+        bucket = self._home(k)
         pending = np.arange(len(k))
         while len(pending):
             b = bucket[pending]
@@ -148,7 +150,7 @@ class NodeTable:
             has = free.any(axis=1)
             # Full buckets: the key moves on to the next one.
             full = pending[~has]
-            bucket[full] = (bucket[full] + 1) & mask
+            bucket[full] = (bucket[full] + 1) % buckets
             claim = pending[has]
             if len(claim):
                 # Several keys may want one bucket's first free slot: the first takes it,
@@ -165,51 +167,60 @@ class NodeTable:
             else:
                 pending = full
 
+    def _home(self, k: U64) -> Any:
+        """Each key's home bucket (as intp): its low 32 bits times the count of buckets,
+        over 2**32 (so that the count need not be a power of two)."""
+        import numpy as np
+
+        h = k & np.uint64(0xFFFFFFFF)
+        h *= np.uint64(self._buckets)
+        h >>= np.uint64(32)
+        return h.view(np.intp)  # below 2**32: the same as signed
+
     def _find(self, k: U64) -> Any:
         """The flat slot of each key `k`, -1 where it is not in the table."""
-        return self._slots(k)[0]
+        return self._slots(k)
 
-    def _slots(self, k: U64) -> tuple[Any, bool]:
-        """The flat slot of each key `k` (-1 where it is not in the table), and
-        whether every key was found.
+    def _slots(self, k: U64) -> Any:
+        """The flat slot of each key `k`; -1 where it is not in the table.
 
         One gather of each key's home bucket (a cache line of keys) and one
-        comparison; keys not found in a full bucket go on to the next one, all
-        of them at once, until a bucket with an empty slot ends their search.
+        comparison; the few keys not found in a full bucket are searched for on,
+        one bucket at a time.
         """
         import numpy as np
 
-        keys = self._keys
-        mask = self._mask
-        bucket = k.view(np.intp) & mask  # own hashes are < 2**60: the same as unsigned
-        rows = keys.take(bucket, axis=0)  # take: much faster than keys[bucket]
+        bucket = self._home(k)
+        rows = self._keys.take(bucket, axis=0)  # take: much faster than keys[bucket]
         match = rows == k[:, None]
         at = bucket * BUCKET
         at += match.argmax(axis=1)
         if np.count_nonzero(match) == len(k):  # a key is at most once in the table
-            return at, True
-        found = match.any(axis=1)
-        at[~found] = -1
-        pending = np.flatnonzero(~found & (rows != EMPTY).all(axis=1))
-        while len(pending):
-            b = (bucket[pending] + 1) & mask
-            bucket[pending] = b
-            rows = keys.take(b, axis=0)
-            match = rows == k[pending][:, None]
-            found = match.any(axis=1)
-            at[pending[found]] = b[found] * BUCKET + match[found].argmax(axis=1)
-            pending = pending[~found & (rows != EMPTY).all(axis=1)]
-        return at, False
+            return at
+        # A row's 8 booleans read as one uint64 (much cheaper than any(axis=1)): 0 = no match.
+        missing = np.flatnonzero(match.view(np.uint64).ravel() == 0)
+        at[missing] = -1
+        if len(missing) > 8:  # a prompt that leaves the index: most end in a bucket with room
+            full = (rows[missing] != EMPTY).view(np.uint64).ravel() == _ALL_TRUE
+            missing = missing[full]
+        for i in missing.tolist():
+            row: list[int] = rows[i].tolist()
+            if EMPTY not in row:
+                at[i] = self._probe_on(int(k[i]), int(bucket[i]))
+        return at
+
+    def _probe_on(self, key: int, bucket: int) -> int:
+        """The flat slot of `key`, which is not in the full bucket `bucket`; -1 if absent."""
+        keys = self._keys
+        while True:
+            bucket = (bucket + 1) % self._buckets
+            row: list[int] = keys[bucket].tolist()
+            if key in row:
+                return bucket * BUCKET + row.index(key)
+            if EMPTY in row:
+                return -1
 
     def lookup(self, own: Any) -> Any:
         """Holders of each own hash (a uint64 array), 0 where none: `_slots()`,
-        then one gather of the values."""
-        at, complete = self._slots(own)
-        vals = self._vals
-        if complete:
-            return vals.take(at)
-        missing = at < 0
-        at[missing] = 0
-        out = vals.take(at)
-        out[missing] = 0
-        return out
+        then one gather of the values (slot -1 is the last value, always 0)."""
+        return self._vals.take(self._slots(own))

@@ -278,7 +278,7 @@ class PrefixIndex:
     seconds without a batch or `heartbeat()` (`clock` tells the time;
     monotonic by default). `max_blocks` bounds the (stream, block) entries:
     past it the least recently stored are evicted, counted. `lookup_table`
-    keeps a numpy copy of the nodes for fast matches (about 32 to 64 bytes per
+    keeps a numpy copy of the nodes for fast matches (about 32 to 43 bytes per
     distinct block; False looks up in the dict, slower at a million blocks).
 
     Feed it with `apply()` (batches and [`Gap`][kvstream.consumers.base.Gap]

@@ -14,7 +14,8 @@ block), so the garbage collector never walks it:
   of slots; tiers are numbered in the order the index first sees them.
 * per stream, `blocks`: engine hash (folded to 60 bits) -> own hash (for an
   engine block spanning several index blocks, the last; `spans` keeps them
-  all); `dups`: extra references when a tier holding a block stores it again;
+  all; `partial`, for engine blocks smaller than an index block, the tokens since
+  the last full one); `dups`: extra references when a tier holding a block stores it again;
   `recent`: the last `keep_removed` blocks that left every tier;
   `orphans`: blocks whose parent chain is unknown, kept (as their hash
   values) until it is.

@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import tempfile
+from array import array
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -470,6 +471,7 @@ def _run_workload(
             expected = reference.match(tokens, lora)
             got = index.match(tokens, lora)
             assert got == expected, (tokens, lora)
+            assert index.match_bytes(array("I", tokens).tobytes(), lora) == expected
             fresh = [m for m in expected if not m.stale]
             assert index.match(tokens, lora, include_stale=False) == fresh
     return index, reference, queries, fleet

@@ -3,9 +3,12 @@ becomes report rows."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import kvstream
 from kvstream.bench import index_measure as bench
@@ -39,3 +42,13 @@ def test_the_child_imports_the_kvstream_this_process_runs(tmp_path: Path) -> Non
     probe = [*argv[:2], "-c", "import kvstream; print(kvstream.__file__)"]
     done = subprocess.run(probe, env=env, cwd=tmp_path, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == kvstream.__file__
+
+
+def test_only_and_sizes_run_a_part_of_the_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--only", "apply,gc", "--sizes", "2048", "--repeat", "1", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert {"apply_2048", "gc"} <= set(results)
+    assert not any(k.startswith(("match_", "memory_", "http", "apply_sim")) for k in results)
+    with pytest.raises(SystemExit):
+        bench.main(["--only", "apply,nothing"])
+    assert "unknown parts ['nothing']" in capsys.readouterr().err

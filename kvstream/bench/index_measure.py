@@ -3,6 +3,7 @@
     python benchmarks/bench_index.py            # 100k and 1M indexed blocks
     python benchmarks/bench_index.py --quick    # 10k and 100k
     python benchmarks/bench_index.py --json
+    python benchmarks/bench_index.py --only apply,match --sizes 1000000   # a part of it
     python -m kvstream.bench.index_measure --json   # the same, from an installed package
 
 `kvstream bench --only index` runs it in a child process (`index_runner`).
@@ -440,6 +441,10 @@ def bench_http(corpus: Corpus, queries: int) -> dict[str, Any]:
     return out
 
 
+#: the parts `--only` can name, in the order they run
+PARTS = ("apply", "sim", "match", "http", "memory", "gc")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="10k and 100k blocks")
@@ -449,10 +454,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--clock", choices=("cpu", "wall"), default="cpu", help="what time is measured (cpu)"
     )
+    parser.add_argument(
+        "--only",
+        type=lambda text: set(text.split(",")),
+        default=set(PARTS),
+        help=f"comma-separated parts to run, of {','.join(PARTS)} (all)",
+    )
+    parser.add_argument(
+        "--sizes",
+        type=lambda text: tuple(int(n) for n in text.split(",")),
+        help="comma-separated index sizes in blocks (100000,1000000; --quick 10000,100000)",
+    )
     args = parser.parse_args(argv)
+    unknown = args.only - set(PARTS)
+    if unknown:
+        parser.error(f"--only: unknown parts {sorted(unknown)}, expected some of {PARTS}")
+    only = args.only
     global clock
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    sizes = (10_000, 100_000) if args.quick else (100_000, 1_000_000)
+    sizes = args.sizes or ((10_000, 100_000) if args.quick else (100_000, 1_000_000))
     results: dict[str, Any] = {
         "python": sys.version.split()[0],
         "machine": platform.machine(),
@@ -466,20 +486,21 @@ def main(argv: list[str] | None = None) -> int:
         if not args.json:
             print(text, flush=True)
 
-    corpora = {n: Corpus(n) for n in sizes}
-    for n, corpus in corpora.items():
+    corpora = {n: Corpus(n) for n in sizes} if only & {"apply", "match", "http"} else {}
+    for n, corpus in corpora.items() if "apply" in only else ():
         results[f"apply_{n}"] = r = bench_apply(corpus, args.repeat)
         say(
             f"apply, {r['blocks_indexed']:,} blocks: {r['apply_blocks_per_s']:,.0f} blocks/s "
             f"({r['apply_ns_per_block']:.0f} ns/block); hash alone "
             f"{r['baseline_hash_only_blocks_per_s']:,.0f} blocks/s"
         )
-    results["apply_sim"] = r = bench_apply_sim(100 if args.quick else 400, args.repeat)
-    say(
-        f"apply, simulated engines ({r['batches']} batches, {r['block_events']:,} block events): "
-        f"{r['apply_block_events_per_s']:,.0f} block events/s"
-    )
-    for n, corpus in corpora.items():
+    if "sim" in only:
+        results["apply_sim"] = r = bench_apply_sim(100 if args.quick else 400, args.repeat)
+        say(
+            f"apply, simulated engines ({r['batches']} batches, {r['block_events']:,} block "
+            f"events): {r['apply_block_events_per_s']:,.0f} block events/s"
+        )
+    for n, corpus in corpora.items() if "match" in only else ():
         results[f"match_{n}"] = r = bench_match(corpus, args.queries, args.repeat)
         for tokens in (1024, 8192):
             say(
@@ -491,14 +512,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"bytes API hit p50 {r[f'{tokens}_tokens_bytes_hit_p50_us']:.0f} µs "
                 f"(hash alone {r[f'{tokens}_tokens_baseline_bytes_hash_only_p50_us']:.0f} µs)"
             )
-    results["http"] = r = bench_http(corpora[sizes[-1]], min(args.queries, 200))
-    say(
-        f"http /match, {r['blocks_indexed']:,} blocks, 8192 tokens (wall clock): in process "
-        f"p50 {r['in_process_p50_us']:.0f} µs; JSON body p50 {r['http_json_p50_us']:.0f} µs "
-        f"(+{r['http_json_added_us']:.0f}); binary body p50 {r['http_binary_p50_us']:.0f} µs "
-        f"(+{r['http_binary_added_us']:.0f})"
-    )
-    for n in sizes:
+    if "http" in only:
+        results["http"] = r = bench_http(corpora[sizes[-1]], min(args.queries, 200))
+        say(
+            f"http /match, {r['blocks_indexed']:,} blocks, 8192 tokens (wall clock): in "
+            f"process p50 {r['in_process_p50_us']:.0f} µs; JSON body p50 "
+            f"{r['http_json_p50_us']:.0f} µs (+{r['http_json_added_us']:.0f}); binary body "
+            f"p50 {r['http_binary_p50_us']:.0f} µs (+{r['http_binary_added_us']:.0f})"
+        )
+    for n in sizes if "memory" in only else ():
         results[f"memory_{n}"] = r = bench_memory(n)
         say(
             f"memory, {r['blocks']:,} blocks: {r['bytes_per_block_one_origin_one_tier']:.0f} "
@@ -509,12 +531,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{ORIGINS} origins hold the same blocks"
         )
     del corpora
-    results["gc"] = r = bench_gc(sizes[-1])
-    say(
-        f"gc.collect() with {r['blocks_indexed']:,} blocks indexed: "
-        f"{r['gc_collect_ms_with_index']:.2f} ms; with a slotted object per block instead "
-        f"{r['baseline_gc_collect_ms_with_an_object_per_block']:.1f} ms (wall clock)"
-    )
+    if "gc" in only:
+        results["gc"] = r = bench_gc(sizes[-1])
+        say(
+            f"gc.collect() with {r['blocks_indexed']:,} blocks indexed: "
+            f"{r['gc_collect_ms_with_index']:.2f} ms; with a slotted object per block instead "
+            f"{r['baseline_gc_collect_ms_with_an_object_per_block']:.1f} ms (wall clock)"
+        )
     if args.json:
         print(json.dumps(results, indent=2))
     return 0

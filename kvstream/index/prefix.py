@@ -14,7 +14,8 @@ block), so the garbage collector never walks it:
   of slots; tiers are numbered in the order the index first sees them.
 * per stream, `blocks`: engine hash (folded to 60 bits) -> own hash (for an
   engine block spanning several index blocks, the last; `spans` keeps them
-  all); `dups`: extra references when a tier holding a block stores it again;
+  all; `partial`, for engine blocks smaller than an index block, the tokens since
+  the last full one); `dups`: extra references when a tier holding a block stores it again;
   `recent`: the last `keep_removed` blocks that left every tier;
   `orphans`: blocks whose parent chain is unknown, kept (as their hash
   values) until it is.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import struct
 import sys
 import time
 from collections import OrderedDict
@@ -165,6 +167,14 @@ class IndexStatistics(NamedTuple):
     evicted: int = 0
     #: blocks stored with a block size that is a multiple of the index's (mapped 1:many)
     remapped_blocks: int = 0
+    #: blocks stored with a block size that divides the index's (mapped many:1)
+    divided_blocks: int = 0
+    #: blocks of a divisor size whose parent's place in an index block is unknown (its
+    #: parent was never seen, or left): ignored, as their descendants of that size
+    unaligned_blocks: int = 0
+    #: blocks of a divisor size with extra keys besides the adapter (multimodal, cache
+    #: salt): which index block they would salt is not defined, so they are ignored
+    unmapped_extra_keys: int = 0
     #: blocks of stores with fewer hashes than blocks of tokens (vLLM's sliding-window
     #: and Mamba groups skip null blocks): which index blocks the hashes name is not
     #: known from the root, so they are counted and ignored, never chained wrongly
@@ -199,6 +209,7 @@ class _Stream:
         "name",
         "next_seq",
         "orphans",
+        "partial",
         "rank",
         "recent",
         "retired",
@@ -225,6 +236,9 @@ class _Stream:
         self.blocks: dict[int, int] = {}
         #: engine hash -> own hashes, for engine blocks of several index blocks
         self.spans: dict[int, list[int]] = {}
+        #: engine hash -> (own hash of the last full index block before it, the tokens
+        #: since), for engine blocks of a divisor size that end inside an index block
+        self.partial: dict[int, tuple[int, list[int]]] = {}
         #: engine hash -> own hash of blocks that left every tier, oldest first
         self.recent: OrderedDict[int, int] = OrderedDict()
         #: own hash | tier << 60 -> references beyond the first
@@ -252,7 +266,9 @@ class PrefixIndex:
     """Which stream holds how long a prefix of a prompt, on which tiers.
 
     `block_size` is the index's; events whose block size is a multiple of it
-    are split into index blocks (1:many), others are counted and ignored.
+    are split into index blocks (1:many), those whose block size divides it are
+    gathered into index blocks (many:1: the engine block that fills an index
+    block stands for it), others are counted and ignored.
     `seed` keys the index's own block hashes. `keep_removed` blocks per
     stream are remembered after they leave every tier, so that late placeholders
     and children still resolve; `max_orphans` bounds, per stream, the blocks
@@ -263,7 +279,7 @@ class PrefixIndex:
     seconds without a batch or `heartbeat()` (`clock` tells the time;
     monotonic by default). `max_blocks` bounds the (stream, block) entries:
     past it the least recently stored are evicted, counted. `lookup_table`
-    keeps a numpy copy of the nodes for fast matches (about 32 to 64 bytes per
+    keeps a numpy copy of the nodes for fast matches (about 32 to 43 bytes per
     distinct block; False looks up in the dict, slower at a million blocks).
 
     Feed it with `apply()` (batches and [`Gap`][kvstream.consumers.base.Gap]
@@ -323,7 +339,7 @@ class PrefixIndex:
         self._dirty: dict[int, None] = self._table.dirty if self._table is not None else {}
         self._table_stale = False
         #: prompts shorter than this look up in the dict (numpy's fixed costs are higher)
-        self._table_min_blocks = 128
+        self._table_min_blocks = 48
         #: the current batch's block values, and the last run of chained hashes computed
         self._batch_fin: Any = None
         self._run_cache: tuple[int, int, list[int], int] | None = None
@@ -338,6 +354,13 @@ class PrefixIndex:
         self._tier_order: list[int] = []
         #: shifts that fold every tier's field onto the first: t * width, t >= 1
         self._shifts: list[int] = []
+        #: 1 at the first bit of every tier's field: a slot mask times it is on every tier
+        self._every_tier = 0
+        #: per tier index: its rank in `_tier_order`
+        self._tier_rank: list[int] = []
+        #: the index's own weights per tier index, and those tiers heaviest first (made
+        #: when first needed after a new tier)
+        self._weight_cache: tuple[list[float], list[int]] | None = None
         self._logged: set[tuple[str, str]] = set()
         self._counts: dict[str, int] = dict.fromkeys(
             (
@@ -359,6 +382,9 @@ class PrefixIndex:
                 "evicted",
                 "remapped_blocks",
                 "skipped_blocks",
+                "divided_blocks",
+                "unaligned_blocks",
+                "unmapped_extra_keys",
             ),
             0,
         )
@@ -644,7 +670,7 @@ class PrefixIndex:
                 new |= ((v >> (t * old)) & field) << (t * width)
             nodes[own] = canon(new, new)
         self._width = width
-        self._shifts = [t * width for t in range(1, len(self._tiers))]
+        self._layout_changed()
         self._table_stale = True
         for state in self._streams.values():
             self._set_bits(state)
@@ -664,10 +690,21 @@ class PrefixIndex:
         self._tier_order = sorted(
             range(len(self._tiers)), key=lambda i: (rank.get(self._tiers[i], len(rank)), i)
         )
-        self._shifts = [i * self._width for i in range(1, len(self._tiers))]
+        self._layout_changed()
         for state in self._streams.values():
             self._set_bits(state)
         return t
+
+    def _layout_changed(self) -> None:
+        """Derive what a match needs from the tiers and the width (both change rarely)."""
+        width = self._width
+        ntiers = len(self._tiers)
+        self._shifts = [t * width for t in range(1, ntiers)]
+        self._every_tier = sum(1 << (t * width) for t in range(ntiers))
+        self._tier_rank = [0] * ntiers
+        for i, t in enumerate(self._tier_order):
+            self._tier_rank[t] = i
+        self._weight_cache = None
 
     def _set_stale(self, state: _Stream, reason: str) -> None:
         if not state.stale:
@@ -714,8 +751,11 @@ class PrefixIndex:
             self._store_placeholders(state, _fold_all(hashes), t)
             return
         if prepared is None:
-            if event.block_size and len(event.token_ids) != len(hashes) * event.block_size:
+            size = event.block_size
+            if size and len(event.token_ids) != len(hashes) * size:
                 self._note(state, "skipped_blocks", len(hashes))
+            elif 0 < size < self.block_size and self.block_size % size == 0:
+                self._store_divided(state, event, t)
             else:  # a block size the index cannot map
                 self._note(state, "wrong_block_size", len(hashes))
             return
@@ -748,8 +788,8 @@ class PrefixIndex:
             and lru is None
             and not state.orphans
             and not state.spans
-            and not any(map(blocks.__contains__, keys))
-            and not (recent and any(map(recent.__contains__, keys)))
+            and blocks.keys().isdisjoint(keys)
+            and not (recent and not recent.keys().isdisjoint(keys))
         ):
             # The usual event: every block new, its chain known. In bulk, in C where it can be;
             # the hashes of a run of chained stores are computed once, with numpy.
@@ -763,10 +803,10 @@ class PrefixIndex:
             owns = chained[offset : offset + m]
             self._run_cache = (first + m, owns[-1], chained, offset + m)
             blocks.update(zip(keys, owns, strict=True))
-            self._dirty.update(zip(owns, repeat(None)))
+            self._dirty.update(dict.fromkeys(owns))
             olds = list(map(nodes.get, owns, repeat(0)))
             if not any(olds):  # blocks no stream holds yet
-                nodes.update(zip(owns, repeat(bit)))
+                nodes.update(dict.fromkeys(owns, bit))
                 state.held[t] += len(owns)
             elif not any(map(operator.and_, olds, repeat(bit))):
                 merged = list(map(operator.or_, olds, repeat(bit)))
@@ -823,6 +863,78 @@ class PrefixIndex:
             prev = own
             prev_key = key
         state.held[t] += added
+        if lru is not None and len(lru) > self.max_blocks:  # type: ignore[operator]
+            self._evict()
+
+    def _store_divided(self, state: _Stream, event: BlockStored, t: int) -> None:
+        """Engine blocks of a size that divides the index's (many:1): tokens gather until
+        an index block is full; the engine block that fills it stands for it.
+
+        An engine block ending inside an index block keeps the tokens since the last
+        full one (in `partial`), so that its children can go on from there.
+        """
+        hashes = event.block_hashes
+        keys = _fold_all(hashes)
+        lora = event.lora_name
+        extra = event.extra_keys
+        if extra is not None and any(split_lora(lora, e) is not None for e in extra):
+            self._note(state, "unmapped_extra_keys", len(keys))
+            return
+        size = event.block_size
+        state.block_size = size
+        blocks = state.blocks
+        partial = state.partial
+        parent = event.parent_block_hash
+        pending: list[int] = []
+        if parent is None:
+            prev = self._hasher.root
+        else:
+            prev_key = parent & _ENGINE_MASK if type(parent) is int else fold_engine_hash(parent)
+            found = blocks.get(prev_key)
+            if found is None and state.recent:
+                found = state.recent.get(prev_key)
+            if found is not None:
+                prev = found
+            elif prev_key in partial:
+                prev, pending = partial[prev_key]
+            else:
+                self._note(state, "unaligned_blocks", len(keys))
+                return
+        self._counts["divided_blocks"] += len(keys)
+        tokens = event.token_ids
+        full = self.block_size
+        lru = self._lru
+        hasher = self._hasher
+        salt = hasher.salt(lora, None)
+        for i, key in enumerate(keys):
+            own = blocks.get(key)
+            if own is not None:  # stored again (another tier): the same index block
+                if lru is not None:
+                    lru.move_to_end(state.slot << 60 | key)
+                self._add(state, own, t)
+                prev, pending = own, []
+                continue
+            known = partial.get(key)
+            if known is not None:
+                prev, pending = known
+                continue
+            pending = pending + list(tokens[i * size : (i + 1) * size])
+            if len(pending) < full:
+                partial[key] = (prev, pending)
+                continue
+            try:
+                own = hasher.block_hash(prev, pending, salt)
+            except struct.error:  # a token of 32 bits or more: the general path
+                own = hasher.chain(prev, pending, lora)[0]
+            if state.recent:
+                state.recent.pop(key, None)
+            blocks[key] = own
+            if lru is not None:
+                lru[state.slot << 60 | key] = None
+            self._add(state, own, t)
+            if state.orphans:
+                self._resolve(state, key, own)
+            prev, pending = own, []
         if lru is not None and len(lru) > self.max_blocks:  # type: ignore[operator]
             self._evict()
 
@@ -896,7 +1008,7 @@ class PrefixIndex:
             orphan = state.orphans.get(key)
             if orphan is not None:
                 orphan.tiers.append(t)
-            else:
+            elif key not in state.partial:  # a partial engine block holds no index block
                 self._note(state, "unknown_placeholders")
         if lru is not None and len(lru) > self.max_blocks:  # type: ignore[operator]
             self._evict()
@@ -931,6 +1043,8 @@ class PrefixIndex:
         for key in _fold_all(hashes):
             own = blocks.get(key)
             if own is None:
+                if state.partial and state.partial.pop(key, None) is not None:
+                    continue  # an engine block inside an index block: nothing was held
                 orphan = state.orphans.get(key)
                 if orphan is not None and t in orphan.tiers:
                     orphan.tiers.remove(t)
@@ -1012,6 +1126,7 @@ class PrefixIndex:
                 self._lru.pop(tag | key, None)
         state.blocks = {}
         state.spans = {}
+        state.partial = {}
         state.recent = OrderedDict()
         state.dups = {}
         state.orphans = {}
@@ -1119,19 +1234,16 @@ class PrefixIndex:
         probe: bool,
     ) -> Any:
         hasher = self._hasher
-        if probe and n > 16:
-            v0 = hasher.values(data, 1)
-            salt = hasher.salts(token_ids, 1, lora_name, keys, wide)
-            if salt is not None:
-                v0 ^= salt
-            first = int(hasher.chain_array(hasher.root, hasher.finish(v0))[0])
+        salted = lora_name is not None or keys is not None or wide
+        if probe:  # the first block alone, without numpy: a miss stays cheap
+            salt = hasher.salts(token_ids, 1, lora_name, keys, wide) if salted else None
+            first = hasher.first_hash(data, 0 if salt is None else int(salt[0]))
             if not self._nodes.get(first):
                 return None
-        v = hasher.values(data, n)
-        salts = hasher.salts(token_ids, n, lora_name, keys, wide)
-        if salts is not None:
-            v ^= salts
-        return hasher.chain_array(hasher.root, hasher.finish(v))
+            if n == 1:
+                return [first]
+        salts = hasher.salts(token_ids, n, lora_name, keys, wide) if salted else None
+        return hasher.prompt_hashes(data, n, salts)
 
     def match(
         self,
@@ -1157,7 +1269,7 @@ class PrefixIndex:
         own = self._own_hashes(token_ids, n, lora_name, extra_keys, probe=True)
         if own is None or not self._nodes:
             return []
-        return self._match_hashes(own, include_stale, tier_weights)
+        return self._match_hashes(own, include_stale, tier_weights, probed=True)
 
     def match_bytes(
         self,
@@ -1181,7 +1293,7 @@ class PrefixIndex:
         own = self._hash_data(data, n, lora_name, keys, (), False, True)
         if own is None:
             return []
-        return self._match_hashes(own, include_stale, tier_weights)
+        return self._match_hashes(own, include_stale, tier_weights, probed=True)
 
     def match_engine_hashes(
         self,
@@ -1224,8 +1336,10 @@ class PrefixIndex:
         own: Any,
         include_stale: bool,
         tier_weights: Mapping[str, float] | None,
+        probed: bool = False,
     ) -> list[PrefixMatch]:
-        """`own`: the prompt's own hashes, a list or a uint64 array."""
+        """`own`: the prompt's own hashes, a list or a uint64 array (`probed`: the
+        first is known to be held)."""
         if self.ttl is not None:
             now = self._clock()
             if now >= self._next_expiry:
@@ -1236,21 +1350,20 @@ class PrefixIndex:
         n = len(own)
         if not n or not active:
             return []
-        runs, run_values = self._holders(own, n)
+        runs, run_values = self._holders(own, n, probed)
         if not runs:
             return []
         width = self._width
         ntiers = len(self._tiers)
-        tier_alive = 0  # (tier, slot) bits still within their tier's leading run
-        for t in range(ntiers):
-            tier_alive |= active << (t * width)
+        # (tier, slot) bits still within their tier's leading run
+        tier_alive = active * self._every_tier
         alive = active  # slots still within their any-tier leading run
         ended_at: dict[int, tuple[int, int]] = {}  # slot -> (blocks, holders of the last)
         tier_len: dict[int, int] = {}  # (tier, slot) bit -> leading blocks on that tier
         #: blocks per distinct holders value since `alive` last changed (scored in bulk)
         segment: dict[int, int] = {}
         score: dict[int, float] = {}
-        weights = self._weights(tier_weights)
+        weights, heaviest = self._weights(tier_weights)
         shifts = self._shifts
         prev_v = 0
         seen: set[int] = set()
@@ -1272,7 +1385,7 @@ class PrefixIndex:
                 held |= v >> shift
             held &= alive
             if held != alive:
-                self._score(segment, alive, weights, score)
+                self._score(segment, alive, weights, heaviest, score)
                 segment = {}
                 gone = alive & ~held
                 alive = held
@@ -1285,7 +1398,7 @@ class PrefixIndex:
             segment[v] = segment.get(v, 0) + end - start
             prev_v = v
         if alive:
-            self._score(segment, alive, weights, score)
+            self._score(segment, alive, weights, heaviest, score)
         while alive:
             low = alive & -alive
             alive ^= low
@@ -1298,7 +1411,10 @@ class PrefixIndex:
                 continue
             state = self._slots[slot]
             assert state is not None
-            medium = next(tiers[t] for t in order if last >> (t * width + slot) & 1)
+            for t in order:
+                if last >> (t * width + slot) & 1:
+                    medium = tiers[t]
+                    break
             per_tier = {}
             for t in range(ntiers):
                 b = 1 << (t * width + slot)
@@ -1316,7 +1432,9 @@ class PrefixIndex:
                     round(score.get(slot, 0.0), 6),
                 )
             )
-        rank = {t: i for i, t in enumerate(order)}
+        if len(results) < 2:
+            return results
+        rank = self._tier_rank
         index = self._tier_index
         results.sort(
             key=lambda m: (
@@ -1330,10 +1448,13 @@ class PrefixIndex:
         )
         return results
 
-    def _holders(self, own: Any, n: int) -> tuple[list[tuple[int, int]], list[int]]:
+    def _holders(
+        self, own: Any, n: int, probed: bool = False
+    ) -> tuple[list[tuple[int, int]], list[int]]:
         """Runs `[start, end)` of blocks with equal holders, and those holders, up to the
-        prompt's end; nothing when no stream holds the first block."""
-        if not self._nodes.get(int(own[0])):  # the usual miss: nothing to look up
+        prompt's end; nothing when no stream holds the first block (`probed`: some
+        stream does, the caller checked)."""
+        if not probed and not self._nodes.get(int(own[0])):  # a miss: nothing to look up
             return [], []
         table = self._table if n >= self._table_min_blocks else None
         if table is not None:
@@ -1352,9 +1473,10 @@ class PrefixIndex:
             if type(own) is list:
                 own = np.array(own, dtype=np.uint64)
             vals = table.lookup(own)
-            if not vals[0]:
-                return [], []
-            cuts: list[int] = (np.flatnonzero(vals[1:] != vals[:-1]) + 1).tolist()
+            changed = vals[1:] != vals[:-1]
+            if not changed.any():  # one run: the usual answer
+                return [(0, n)], [int(vals[0])]
+            cuts: list[int] = (np.flatnonzero(changed) + 1).tolist()
             starts = [0, *cuts]
             values: list[int] = vals[starts].tolist()
             return list(zip(starts, [*cuts, n], strict=True)), values
@@ -1373,12 +1495,17 @@ class PrefixIndex:
         return runs, [found[s] for s, _ in runs]
 
     def _score(
-        self, segment: dict[int, int], alive: int, weights: list[float], score: dict[int, float]
+        self,
+        segment: dict[int, int],
+        alive: int,
+        weights: list[float],
+        order: list[int],
+        score: dict[int, float],
     ) -> None:
-        """Add, per slot of `alive`, its blocks of `segment` times their best tier's weight."""
+        """Add, per slot of `alive`, its blocks of `segment` times their best tier's
+        weight (`order`: the tiers, heaviest first)."""
         width = self._width
         field = (1 << width) - 1
-        order = sorted(range(len(weights)), key=lambda t: -weights[t])
         for v, count in segment.items():
             rest = alive
             for t in order:
@@ -1395,12 +1522,19 @@ class PrefixIndex:
                 if not rest:
                     break
 
-    def _weights(self, override: Mapping[str, float] | None) -> list[float]:
+    def _weights(self, override: Mapping[str, float] | None) -> tuple[list[float], list[int]]:
+        """The weight of each tier index, and the tier indices heaviest first."""
         table = (
             self.tier_weights if override is None else _checked_weights(override, "tier_weights")
         )
         d = self.default_weight
-        return [table.get(name, d) for name in self._tiers]
+        weights = [table.get(name, d) for name in self._tiers]
+        cache = self._weight_cache
+        if cache is not None and cache[0] == weights:
+            return cache
+        order = sorted(range(len(weights)), key=lambda t: -weights[t])
+        self._weight_cache = cache = (weights, order)
+        return cache
 
     # -- state -------------------------------------------------------------------------------
 
@@ -1472,6 +1606,8 @@ class PrefixIndex:
         for s in self._streams.values():
             total += size(s.blocks) + 32 * len(s.blocks)  # engine hash keys
             total += size(s.spans) + 100 * len(s.spans)
+            total += size(s.partial) + 100 * len(s.partial)
+            total += sum(size(p) + 8 * len(p) for _, p in s.partial.values())
             total += size(s.recent) + 64 * len(s.recent)
             total += size(s.dups) + 64 * len(s.dups)
             total += size(s.orphans) + size(s.waiting)

@@ -9,7 +9,8 @@ The file is one msgpack map, versioned:
                   "stale_reason", "block_size", "last_seen_age",
                   "keys", "owns", "masks",       # per held block: engine key, own hash,
                                                    # tiers held (bit t = tiers[t])
-                  "spans", "dups", "recent_keys", "recent_owns", "orphans"}, ...],
+                  "spans", "dups", "recent_keys", "recent_owns", "orphans",
+                  "partial"}, ...],                # partial: [[engine key, own, tokens]]
      "lru": [[stream position, engine key], ...]}   # with max_blocks, oldest first
 
 `keys`, `owns`, `recent_*` are uint64 little-endian arrays and `masks`
@@ -90,6 +91,7 @@ def dump_index(index: PrefixIndex) -> bytes:
                 "recent_keys": _u64(state.recent.keys(), len(state.recent)),
                 "recent_owns": _u64(state.recent.values(), len(state.recent)),
                 "orphans": [[key, o.parent, o.values, o.tiers] for key, o in state.orphans.items()],
+                "partial": [[key, prev, tokens] for key, (prev, tokens) in state.partial.items()],
             }
         )
     lru = index._lru
@@ -213,6 +215,8 @@ def _load(index: PrefixIndex, doc: dict[str, Any]) -> None:
             orphan.tiers = [tiers[t] for t in orphan_tiers]
             state.orphans[key] = orphan
             state.waiting.setdefault(parent, []).append(key)
+        for key, prev, tokens in row.get("partial", ()):  # absent from older files
+            state.partial[key] = (int(prev), [int(t) for t in tokens])
     if index._lru is not None:
         for position, key in doc["lru"]:
             index._lru[by_position[position].slot << 60 | key] = None

@@ -2,15 +2,24 @@
 
 A dict lookup per block costs three cache misses at a million blocks (the
 dict's index, its entry, the key object), one after the other. This table is
-two uint64 arrays (keys, values) with open addressing and linear probing: all
-of a prompt's hashes are probed in one vectorized pass, so their misses overlap.
+two uint64 arrays (keys, values) of buckets of `BUCKET` slots, one 64-byte
+cache line of keys per bucket: all of a prompt's hashes are looked up in one
+vectorized pass (a gather of one bucket per hash, then one comparison), so
+their misses overlap and numpy is called a fixed, small number of times per
+prompt.
+
+A key lives in its home bucket (its low 32 bits scaled to the count of buckets,
+which can then be any) when that has a free slot, else
+in the next bucket with one (linear probing over buckets, rare at the load
+kept here: 2 to 5 keys per bucket of 8).
 
 It is a cache, kept in step lazily: the index records which own hashes it
 changed (`NodeTable.dirty`), and `NodeTable.sync()` writes their
 current values before the next lookup. A key whose value became 0 stays, with
-value 0 (a miss); the table is rebuilt from the dict when dead and live keys
-fill half of it. Holders wider than 64 bits (many streams times many tiers)
-cannot be stored: the index then looks up in the dict.
+value 0 (a miss), so that the keys after it stay reachable; the table is
+rebuilt from the dict when dead and live keys fill it. Holders wider than 64
+bits (many streams times many tiers) cannot be stored: the index then looks
+up in the dict.
 """
 
 from __future__ import annotations
@@ -25,31 +34,36 @@ if TYPE_CHECKING:
 
     U64 = npt.NDArray[np.uint64]
 
-__all__ = ["NodeTable"]
+__all__ = ["BUCKET", "EMPTY", "NodeTable"]
 
-_MIN_CAPACITY: Final = 1 << 12
-#: slots read at once per key by a lookup
-_WINDOW: Final = 8
-_OFFSETS: Any = None  # numpy's arange(_WINDOW), made on first use
+#: slots per bucket: 8 uint64 keys are one cache line (and a lookup reads a row of 8
+#: booleans as one uint64)
+BUCKET: Final = 8
+_MIN_BUCKETS: Final = 1 << 9
+#: keys per bucket right after a rebuild (43 bytes a key)
+_FILL: Final = 3
+#: keys (live and dead) per bucket that make the next sync rebuild (32 bytes a key); up to
+#: there, about 0.1 to 0.3% of the keys live past their home bucket
+_GROW: Final = 4
+#: a row of BUCKET booleans, all True, read as one uint64
+_ALL_TRUE: Final = 0x0101010101010101
+#: the key of an empty slot
+EMPTY: Final = (1 << 64) - 1
 
 
 class NodeTable:
-    """Rows of (own hash + 1, holders): 0 marks an empty slot; capacity a power of two.
+    """Buckets of own hashes and their holders: `EMPTY` marks an empty slot (an own
+    hash has 60 bits, so it is never one)."""
 
-    A key and its value share a 16-byte row, so a probe costs one cache miss.
-    """
-
-    __slots__ = ("_mask", "_rows", "_used", "dirty")
+    __slots__ = ("_buckets", "_keys", "_used", "_vals", "dirty")
 
     def __init__(self) -> None:
         import numpy as np  # imported on first use: `import kvstream` stays light
 
-        global _OFFSETS
-        if _OFFSETS is None:
-            _OFFSETS = np.arange(_WINDOW, dtype=np.uint64)
-
-        self._rows: Any = np.zeros((_MIN_CAPACITY, 2), dtype=np.uint64)
-        self._mask = _MIN_CAPACITY - 1
+        self._keys: Any = np.full((_MIN_BUCKETS, BUCKET), EMPTY, dtype=np.uint64)
+        #: flat: slot `bucket * BUCKET + i`; one more, always 0, for slot -1 (no key)
+        self._vals: Any = np.zeros(_MIN_BUCKETS * BUCKET + 1, dtype=np.uint64)
+        self._buckets = _MIN_BUCKETS
         self._used = 0
         #: own hashes changed in the dict since the last sync (a dict of ints, None:
         #: unlike a set, the garbage collector does not track it)
@@ -57,7 +71,7 @@ class NodeTable:
 
     @property
     def nbytes(self) -> int:
-        return int(self._rows.nbytes)
+        return int(self._keys.nbytes + self._vals.nbytes)
 
     def sync(self, nodes: Mapping[int, int]) -> bool:
         """Write the dirty keys' current values; False if one does not fit in 64 bits."""
@@ -72,8 +86,8 @@ class NodeTable:
             v = np.array(values, dtype=np.uint64)
         except OverflowError:
             return False
-        k = np.array(keys, dtype=np.uint64) + np.uint64(1)
-        if 5 * (self._used + len(k)) > 3 * len(self._rows):  # over 60% full
+        k = np.array(keys, dtype=np.uint64)
+        if self._used + len(k) > _GROW * len(self._keys):  # full enough: start afresh
             self.rebuild(nodes)
             return True
         self._upsert(k, v)
@@ -85,77 +99,128 @@ class NodeTable:
         import numpy as np
 
         n = len(nodes)
-        capacity = _MIN_CAPACITY
-        while capacity < 2 * n:
-            capacity *= 2
-        self._rows = np.zeros((capacity, 2), dtype=np.uint64)
-        self._mask = capacity - 1
-        self._used = 0
+        buckets = max(_MIN_BUCKETS, -(-n // _FILL))
         self.dirty.clear()
-        if n:
-            k = np.fromiter(nodes.keys(), dtype=np.uint64, count=n) + np.uint64(1)
-            v = np.fromiter(nodes.values(), dtype=np.uint64, count=n)
-            self._upsert(k, v)
+        k = np.fromiter(nodes.keys(), dtype=np.uint64, count=n)
+        v = np.fromiter(nodes.values(), dtype=np.uint64, count=n)
+        self._keys = np.full((buckets, BUCKET), EMPTY, dtype=np.uint64)
+        self._vals = np.zeros(buckets * BUCKET + 1, dtype=np.uint64)
+        self._buckets = buckets
+        self._used = 0
+        if not n:
+            return
+        # Most keys go straight to their home bucket, in one pass: sorted by bucket, a
+        # key's rank among its bucket's keys is its slot. The few past a bucket's end
+        # are inserted one round at a time.
+        home = self._home(k)
+        order = np.argsort(home, kind="stable")
+        home = home[order]
+        starts = np.flatnonzero(np.r_[True, home[1:] != home[:-1]])
+        counts = np.diff(np.r_[starts, n])
+        rank = np.arange(n) - np.repeat(starts, counts)
+        direct = rank < BUCKET
+        placed = order[direct]
+        self._keys[home[direct], rank[direct]] = k[placed]
+        self._vals[home[direct] * BUCKET + rank[direct]] = v[placed]
+        self._used = len(placed)
+        rest = order[~direct]
+        if len(rest):
+            self._upsert(k[rest], v[rest], new=True)
 
-    def _upsert(self, k: U64, v: U64) -> None:
-        """Set `k -> v` for distinct keys `k`, probing all of them at once."""
+    def _upsert(self, k: U64, v: U64, new: bool = False) -> None:
+        """Set `k -> v` for distinct keys `k` (`new`: none of them is in the table)."""
         import numpy as np
 
-        rows = self._rows
-        mask = np.uint64(self._mask)
-        slot = k & mask
+        keys = self._keys
+        vals = self._vals
+        buckets = self._buckets
+        if not new:
+            where = self._find(k)
+            known = where >= 0
+            if known.any():
+                at = where[known]
+                vals[at] = v[known]
+                k = k[~known]
+                v = v[~known]
+        bucket = self._home(k)
         pending = np.arange(len(k))
         while len(pending):
-            s = slot[pending]
-            found = np.take(rows, s, axis=0)[:, 0]
-            hit = found == k[pending]
-            if hit.any():
-                rows[s[hit], 1] = v[pending[hit]]
-            empty = found == 0
-            claim = pending[empty]
+            b = bucket[pending]
+            free = keys.take(b, axis=0) == EMPTY  # (pending, BUCKET)
+            has = free.any(axis=1)
+            # Full buckets: the key moves on to the next one.
+            full = pending[~has]
+            bucket[full] = (bucket[full] + 1) % buckets
+            claim = pending[has]
             if len(claim):
-                # Several new keys may probe the same empty slot: the first one takes it,
-                # the others see it taken on the next round and probe on.
-                _, first = np.unique(slot[claim], return_index=True)
+                # Several keys may want one bucket's first free slot: the first takes it,
+                # the others try again on the next round.
+                cb = bucket[claim]
+                _, first = np.unique(cb, return_index=True)
                 won = claim[first]
-                rows[slot[won], 0] = k[won]
-                rows[slot[won], 1] = v[won]
+                wb = bucket[won]
+                slot = free[has][first].argmax(axis=1)
+                keys[wb, slot] = k[won]
+                vals[wb * BUCKET + slot] = v[won]
                 self._used += len(won)
-                empty[np.searchsorted(pending, won)] = False
-                hit |= np.isin(pending, won, assume_unique=True)
-            moving = pending[~hit & ~empty]
-            slot[moving] = (slot[moving] + np.uint64(1)) & mask
-            pending = pending[~hit]
+                pending = np.setdiff1d(pending, won, assume_unique=True)
+            else:
+                pending = full
 
-    def lookup(self, own: Any) -> Any:
-        """Holders of each own hash (a uint64 array), 0 where none.
+    def _home(self, k: U64) -> Any:
+        """Each key's home bucket (as intp): its low 32 bits times the count of buckets,
+        over 2**32 (so that the count need not be a power of two)."""
+        import numpy as np
 
-        Each key's first `_WINDOW` slots are read in one gather (two cache lines);
-        the rare key whose run of occupied slots is longer is probed on.
+        h = k & np.uint64(0xFFFFFFFF)
+        h *= np.uint64(self._buckets)
+        h >>= np.uint64(32)
+        return h.view(np.intp)  # below 2**32: the same as signed
+
+    def _find(self, k: U64) -> Any:
+        """The flat slot of each key `k`, -1 where it is not in the table."""
+        return self._slots(k)
+
+    def _slots(self, k: U64) -> Any:
+        """The flat slot of each key `k`; -1 where it is not in the table.
+
+        One gather of each key's home bucket (a cache line of keys) and one
+        comparison; the few keys not found in a full bucket are searched for on,
+        one bucket at a time.
         """
         import numpy as np
 
-        k = own + np.uint64(1)
-        rows = self._rows
-        mask = np.uint64(self._mask)
-        slots = (k[:, None] + _OFFSETS) & mask
-        window = np.take(rows, slots, axis=0)  # (keys, window, 2)
-        keys = window[:, :, 0]
-        match = keys == k[:, None]
-        at = match.argmax(axis=1)
-        found = match[np.arange(len(k)), at]
-        out = np.where(found, window[np.arange(len(k)), at, 1], np.uint64(0))
-        # Not found, and no empty slot in the window: the run goes on past it.
-        longer = np.flatnonzero(~found & (keys != 0).all(axis=1))
-        for i in longer.tolist():
-            slot = (int(k[i]) + _WINDOW) & self._mask
-            key = int(k[i])
-            while True:
-                row_key = int(rows[slot, 0])
-                if row_key == key:
-                    out[i] = rows[slot, 1]
-                    break
-                if row_key == 0:
-                    break
-                slot = (slot + 1) & self._mask
-        return out
+        bucket = self._home(k)
+        rows = self._keys.take(bucket, axis=0)  # take: much faster than keys[bucket]
+        match = rows == k[:, None]
+        at = bucket * BUCKET
+        at += match.argmax(axis=1)
+        if np.count_nonzero(match) == len(k):  # a key is at most once in the table
+            return at
+        # A row's 8 booleans read as one uint64 (much cheaper than any(axis=1)): 0 = no match.
+        missing = np.flatnonzero(match.view(np.uint64).ravel() == 0)
+        at[missing] = -1
+        if len(missing) > 8:  # a prompt that leaves the index: most end in a bucket with room
+            full = (rows[missing] != EMPTY).view(np.uint64).ravel() == _ALL_TRUE
+            missing = missing[full]
+        for i in missing.tolist():
+            row: list[int] = rows[i].tolist()
+            if EMPTY not in row:
+                at[i] = self._probe_on(int(k[i]), int(bucket[i]))
+        return at
+
+    def _probe_on(self, key: int, bucket: int) -> int:
+        """The flat slot of `key`, which is not in the full bucket `bucket`; -1 if absent."""
+        keys = self._keys
+        while True:
+            bucket = (bucket + 1) % self._buckets
+            row: list[int] = keys[bucket].tolist()
+            if key in row:
+                return bucket * BUCKET + row.index(key)
+            if EMPTY in row:
+                return -1
+
+    def lookup(self, own: Any) -> Any:
+        """Holders of each own hash (a uint64 array), 0 where none: `_slots()`,
+        then one gather of the values (slot -1 is the last value, always 0)."""
+        return self._vals.take(self._slots(own))

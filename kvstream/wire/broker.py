@@ -499,14 +499,18 @@ class SnapshotInfo(NamedTuple):
 
 
 def snapshot_parts(
-    snapshot: Snapshot, events: Iterable[KVCacheEvent] | None = None
+    snapshot: Snapshot,
+    events: Iterable[KVCacheEvent] | None = None,
+    codec: Codec | None = None,
 ) -> Iterator[bytes]:
     """The snapshot's events (`events`, else `snapshot.events`) in slices of about
     `SNAPSHOT_PART_BLOCKS` blocks, each slice encoded as the batch
-    `resume_seq - 1`. A generator, so that a caller can let other tasks run
-    between parts (and `events` can be made as they are encoded).
+    `resume_seq - 1` by `codec` (the JSON codec by default). A generator, so
+    that a caller can let other tasks run between parts (and `events` can be
+    made as they are encoded).
     """
-    codec = JsonCodec()
+    if codec is None:
+        codec = JsonCodec()
     seq = snapshot.resume_seq - 1
     chunk: list[KVCacheEvent] = []
     blocks = 0

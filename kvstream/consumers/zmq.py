@@ -331,6 +331,8 @@ class PublisherStream:
         #: The publisher's own epoch when known (snapshots, heartbeats), else None.
         self.publisher_epoch: str | None = None
         self.heartbeats = 0
+        #: A snapshot was delivered and no live batch was heard since.
+        self._after_snapshot = False
 
     # -- inputs -------------------------------------------------------------------------
 
@@ -356,7 +358,13 @@ class PublisherStream:
                 self.duplicates += 1
                 return out
             out.extend(self._restart(seq))
+        elif last is None and seq == 0 and self._after_snapshot and self.expected:
+            # Nothing heard live since a snapshot: a seq 0 below it is a new
+            # instance (were it an old batch in flight, the stream from 0 that
+            # follows it rebuilds the same state under a new epoch).
+            out.extend(self._restart(seq))
         self.last_live = seq
+        self._after_snapshot = False
         if self.replaying or self.snapshotting:
             self._hold(seq, payload)
             return out
@@ -492,7 +500,7 @@ class PublisherStream:
             and expected is not None
             and hb.seq >= expected
             and not (self.replaying or self.snapshotting)
-            and known == hb.epoch
+            and known in (None, hb.epoch)
         ):
             # Its last batch never reached us: repair as a live gap would be.
             if self._can_replay(now):
@@ -540,7 +548,7 @@ class PublisherStream:
         first_missing = self.expected if self.expected is not None else 0
         self.epoch = self.publisher_epoch = head.epoch
         self.expected = head.resume_seq
-        self._snap_tried = head.resume_seq
+        self._after_snapshot = self.last_live is None
         self.snapshots += 1
         log.info(
             "origin %s: snapshot of %d blocks taken (epoch %s, resume at seq %d)",

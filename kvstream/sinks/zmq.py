@@ -36,7 +36,7 @@ chance:
   the sink keeps the state of what it published and serves snapshots of it
   on a ROUTER of its own (`kvstream.sinks.zmq_snapshots`); with
   `heartbeat` every origin silent for that long is announced (epoch, last
-  seq) under the topic `kvstream.heartbeat`. The live frames are the same
+  seq) under the topic `\x00kvstream.heartbeat`. The live frames are the same
   with and without them (`kvstream.wire.zmq_recovery`, `docs/vllm-wire.md`).
 
 Bind or connect follows vLLM's rule (bind for `*`, `::`, ipc and inproc;

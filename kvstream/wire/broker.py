@@ -753,9 +753,12 @@ class Heartbeats:
     delivered no batch for that long is announced with `beat(heartbeat)`.
 
     Heartbeats start with an origin's first delivered batch (before it, the sink
-    does not know the origin's epoch). `run()` is a task of the sink's (started
-    by `Sink.start_tasks`, cancelled when the sink closes); a failed beat is
-    logged at debug level and the next one is tried.
+    does not know the origin's epoch). The first beat after an origin's epoch
+    changed is sent even when batches are flowing, so a reader learns a restart
+    within one interval (on vLLM's ZMQ wire the batches do not carry the epoch).
+    `run()` is a task of the sink's (started by `Sink.start_tasks`, cancelled
+    when the sink closes); a failed beat is logged at debug level and the next
+    one is tried.
     """
 
     def __init__(
@@ -771,6 +774,8 @@ class Heartbeats:
         self._beat = beat
         self._clock = clock
         self._last: dict[str, tuple[str, int, float]] = {}
+        #: The epoch each origin was last announced with.
+        self._announced: dict[str, str] = {}
         self._beats = 0
         #: Heartbeats sent.
         self.sent = 0
@@ -784,8 +789,9 @@ class Heartbeats:
             await anyio.sleep(self.interval)
             now = self._clock()
             for origin, (epoch, seq, when) in list(self._last.items()):
-                if now - when < self.interval * 0.5:
+                if now - when < self.interval * 0.5 and self._announced.get(origin) == epoch:
                     continue  # a recent batch was the sign of life (silence stays <= 1.5 x)
+                self._announced[origin] = epoch
                 self._beats += 1
                 try:
                     await self._beat(Heartbeat(origin, epoch, seq, self.interval, self._beats))

@@ -2,9 +2,10 @@
 
 Both are opt-in and leave the live endpoint's bytes as they are: a snapshot is
 served on an endpoint of its own (a ROUTER, always bound), and heartbeats go on
-the live XPUB under the topic `HEARTBEAT_TOPIC`, which a consumer subscribed
-to its stream's topic never receives. `docs/vllm-wire.md` describes the frames
-byte for byte; this module builds and reads them, without I/O.
+the live XPUB under the topic `HEARTBEAT_TOPIC` (it begins with a NUL byte),
+which a consumer subscribed to its stream's (printable) topic never receives.
+`docs/vllm-wire.md` describes the frames byte for byte; this module builds and
+reads them, without I/O.
 
 Snapshot request, DEALER to ROUTER (the ROUTER sees the identity first):
 
@@ -22,7 +23,7 @@ Reply, in order, each message `[b"", b"KVSNAP1", kind, topic, body]`:
 * or instead of all three, `none`: body is the reason (UTF-8) the publisher
   has no snapshot of that topic (nothing published yet, or its state unknown).
 
-Heartbeat, on the live endpoint: `[b"kvstream.heartbeat", topic, heartbeat]`
+Heartbeat, on the live endpoint: `[b"\x00kvstream.heartbeat", topic, heartbeat]`
 with `heartbeat` the JSON `Heartbeat` of `kvstream.wire.broker` (origin,
 epoch, last seq, interval, beat) and `topic` the stream's own topic.
 """
@@ -52,7 +53,10 @@ __all__ = [
 ]
 
 SNAPSHOT_MAGIC: Final = b"KVSNAP1"
-HEARTBEAT_TOPIC: Final = b"kvstream.heartbeat"
+#: Begins with a NUL byte, so that no printable topic is a prefix of it: a SUB
+#: subscribed to its stream's topic (`kv-events`, `kv@pod@model`) never gets it.
+#: Only a SUB subscribed to every topic (`""`) does.
+HEARTBEAT_TOPIC: Final = b"\x00kvstream.heartbeat"
 
 SnapshotKind: TypeAlias = Literal["head", "part", "end", "none"]
 _KINDS: Final[dict[bytes, SnapshotKind]] = {

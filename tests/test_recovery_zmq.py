@@ -552,3 +552,131 @@ async def test_a_publisher_killed_mid_snapshot_then_restarted_leaves_consumers_w
         first.kill()
         if second is not None:
             second.kill()
+
+
+# -- the relay gives an engine without snapshots a snapshot endpoint -----------------------
+
+
+async def _held_like(consumer: Consumer, origin: str, reference: StateKeeper) -> None:
+    """Read until `consumer` holds for `origin` what `reference` holds for ORIGIN."""
+    with anyio.fail_after(30):
+        while not (
+            consumer.keeper.known(origin) and consumer.keeper.held(origin) == reference.held(ORIGIN)
+        ):
+            item = await anext(consumer.it)
+            assert not isinstance(item, Gap), f"a gap was not repaired: {item}"
+            if isinstance(item, SnapshotBatch):
+                consumer.snapshots.append(item)
+            consumer.keeper.apply(item)
+
+
+async def test_a_relay_serves_snapshots_and_heartbeats_for_an_engine_without_them(
+    short_dir: str,
+) -> None:
+    from kvstream.relay import Relay
+    from kvstream.scheduler import Scheduler
+
+    codec = MsgpackCodec()
+    engine_endpoint = f"ipc://{short_dir}/engine"
+    ctx = zmq.asyncio.Context()
+    engine = ctx.socket(zmq.XPUB)  # an old engine: vLLM's frames, no replay, no snapshots
+    engine.bind(engine_endpoint)
+    downstream = Endpoints(
+        f"ipc://{short_dir}/out", f"ipc://{short_dir}/out-replay", f"ipc://{short_dir}/out-snap"
+    )
+    relay_sink = ZmqSink(
+        downstream.live,
+        replay_endpoint=downstream.replay,
+        snapshot_endpoint=downstream.snapshot,
+        topic="{origin}",
+        buffer_steps=RING,
+        heartbeat=0.1,
+        policy="block",
+    )
+    upstream = ZmqSubscriber(ZmqPublisher(engine_endpoint, origin="gpu-0"))
+    publisher = Publisher(9)
+
+    async def engine_publishes(n: int) -> None:
+        for _ in range(n):
+            batch = publisher.next_batch()
+            await engine.send_multipart([b"", batch.seq.to_bytes(8, "big"), codec.encode(batch)])
+
+    consumers: list[Consumer] = []
+    try:
+        async with Scheduler(sinks=[relay_sink], tick_interval=0.01) as scheduler:
+            relay = Relay(scheduler, [upstream])
+            async with upstream, anyio.create_task_group() as tg:
+                tg.start_soon(relay.run)
+                with anyio.fail_after(10):
+                    assert (await engine.recv())[:1] == b"\x01"  # the relay subscribed
+                await engine_publishes(30)  # six times the relay's ring
+                await wait_until(lambda: relay.statistics().batches_in >= 30)
+                await wait_until(lambda: relay_sink.statistics().batches_out >= 1)
+                # A router that starts now: the relay's snapshot of the engine's state.
+                late = ZmqSubscriber(
+                    ZmqPublisher(
+                        downstream.live,
+                        replay_endpoint=downstream.replay,
+                        snapshot_endpoint=downstream.snapshot,
+                        topic="gpu-0",
+                        origin="gpu-0",
+                    ),
+                    heartbeats=True,
+                )
+                await late.__aenter__()
+                consumer = Consumer(late, aiter(late))
+                consumers.append(consumer)
+                await _held_like(consumer, "gpu-0", publisher.reference)
+                assert consumer.snapshots
+                await wait_until(lambda: relay_sink.heartbeats_sent >= 1)  # for the idle engine
+                # The engine restarts (counts from 0 again, empty): the relay forwards
+                # one AllBlocksCleared and counts it; the router follows.
+                publisher = Publisher(10, epoch="e2")
+                await engine_publishes(4)
+                await _held_like(consumer, "gpu-0", publisher.reference)
+                await wait_until(lambda: relay.statistics().restarts == 1)
+                relay.stop()
+    finally:
+        for c in consumers:
+            await c.sub.aclose()
+        engine.close(linger=0)
+        ctx.term()
+    assert relay.statistics().restarts == 1
+
+
+async def test_a_relay_carries_an_upstream_snapshot_under_a_new_epoch_as_no_restart() -> None:
+    """A ZMQ subscriber names batches by its own epoch until a snapshot tells it the
+    publisher's: the relay forwards the snapshot's one clear and counts no restart."""
+    from kvstream.consumers.broker import as_snapshot_batch
+    from kvstream.relay import Relay
+    from kvstream.scheduler import Scheduler
+    from kvstream.sinks.memory import MemorySink
+
+    publisher = Publisher(12)
+    first = publisher.next_batch()
+    snapshot = publisher.reference.snapshot(ORIGIN)
+    items = [
+        first.replace(epoch="invented"),
+        as_snapshot_batch(snapshot.to_batch(), 1),
+    ]
+
+    class Upstream(Subscriber):
+        def __aiter__(self) -> AsyncIterator[SubscriberItem]:
+            async def gen() -> AsyncIterator[SubscriberItem]:
+                for item in items:
+                    yield item
+
+            return gen()
+
+        async def aclose(self) -> None:
+            pass
+
+    sink = MemorySink()
+    async with Scheduler(sinks=[sink], tick_interval=0.01) as scheduler:
+        relay = Relay(scheduler, [Upstream()])
+        await relay.run()
+    out = [e for b in sink.batches for e in b.events]
+    assert relay.statistics().restarts == 0
+    assert sum(type(e) is AllBlocksCleared for e in out) == 1 + sum(
+        type(e) is AllBlocksCleared for e in first.events
+    )

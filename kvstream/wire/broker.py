@@ -633,8 +633,18 @@ class Heartbeat(NamedTuple):
     def from_json(cls, data: bytes | str) -> Heartbeat:
         try:
             obj = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise DecodeError(f"not a heartbeat: {exc}") from None
+        if not isinstance(obj, dict):
+            raise DecodeError(f"not a heartbeat: expected a JSON object, got {obj!r:.60}")
+        return cls.from_mapping(obj)
+
+    @classmethod
+    def from_mapping(cls, obj: Mapping[str, Any]) -> Heartbeat:
+        """A heartbeat of exactly these fields, each of its type; `DecodeError` otherwise."""
+        try:
             hb = cls(**obj)
-        except (orjson.JSONDecodeError, TypeError) as exc:
+        except TypeError as exc:
             raise DecodeError(f"not a heartbeat: {exc}") from None
         if not (
             type(hb.origin) is str

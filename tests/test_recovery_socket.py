@@ -198,3 +198,27 @@ async def test_heartbeats_tell_an_idle_sink_from_a_gone_one() -> None:
             tg.cancel_scope.cancel()
         await consumer.sub.aclose()
     assert [i for i in items if isinstance(i, EventBatch)]
+
+
+async def test_kvstream_tail_starts_from_the_snapshot_by_default() -> None:
+    import sys
+
+    import orjson
+
+    sink = SocketSink(port=0, ring_bytes=64 * 1024)
+    async with Scheduler(sinks=[sink], origin=ORIGIN, tick_interval=0.01) as s:
+        host = Host(s, 5)
+        sink.snapshot_provider = host.snapshot
+        await host.emit(100)
+        await wait_until(lambda: s.statistics().pending_events == 0)
+        assert sink.server_statistics().ring_batches < host.next_seq
+        with anyio.fail_after(60):
+            result = await anyio.run_process(
+                [sys.executable, "-m", "kvstream", "tail", sink.address]
+                + ["--count", "1", "--format", "json"],
+                check=False,
+            )
+    assert result.returncode == 0, result.stderr
+    line = orjson.loads(result.stdout.splitlines()[0])
+    assert (line["type"], line["next_seq"]) == ("snapshot", 100)
+    assert b"gap" not in result.stderr

@@ -212,12 +212,9 @@ async def test_kvstream_tail_starts_from_the_snapshot_by_default() -> None:
         await host.emit(100)
         await wait_until(lambda: s.statistics().pending_events == 0)
         assert sink.server_statistics().ring_batches < host.next_seq
+        tail = ["tail", sink.address, "--count", "1", "--format", "json"]
         with anyio.fail_after(60):
-            result = await anyio.run_process(
-                [sys.executable, "-m", "kvstream", "tail", sink.address]
-                + ["--count", "1", "--format", "json"],
-                check=False,
-            )
+            result = await anyio.run_process([sys.executable, "-m", "kvstream", *tail], check=False)
     assert result.returncode == 0, result.stderr
     line = orjson.loads(result.stdout.splitlines()[0])
     assert (line["type"], line["next_seq"]) == ("snapshot", 100)

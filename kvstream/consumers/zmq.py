@@ -1109,24 +1109,10 @@ class ZmqSubscriber(Subscriber):
         by_socket: dict[zmq.asyncio.Socket, tuple[_Link, _SocketKind]],
         link: _Link,
     ) -> None:
-        old = link.dealer
-        if old is not None:
-            poller.unregister(old)
-            by_socket.pop(old, None)
-            old.close(linger=0)
-            link.dealer = None
         endpoint = link.spec.replay_endpoint
         assert endpoint is not None
-        dealer = ctx.socket(zmq.DEALER)
-        try:
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(endpoint)
-        except zmq.ZMQError as exc:
-            dealer.close(linger=0)
-            raise TransportError(f"ZMQ subscriber: cannot connect {endpoint}: {exc}") from exc
-        poller.register(dealer, zmq.POLLIN)
-        by_socket[dealer] = (link, "replay")
-        link.dealer = dealer
+        old, link.dealer = link.dealer, None
+        link.dealer = _new_dealer(ctx, poller, by_socket, link, old, endpoint, "replay")
 
     async def _send_requests(
         self,
@@ -1179,27 +1165,17 @@ class ZmqSubscriber(Subscriber):
         stream: PublisherStream,
     ) -> None:
         """Send a snapshot request on a new socket (late replies to an old one never come)."""
-        old = link.snap_dealer
-        if old is not None:
-            poller.unregister(old)
-            by_socket.pop(old, None)
-            old.close(linger=0)
-            link.snap_dealer = None
         endpoint = link.spec.snapshot_endpoint
         assert endpoint is not None
-        dealer = ctx.socket(zmq.DEALER)
+        old, link.snap_dealer = link.snap_dealer, None
+        dealer = _new_dealer(ctx, poller, by_socket, link, old, endpoint, "snapshot")
+        link.snap_dealer = dealer
         try:
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(endpoint)
             # Queued until connected (a DEALER holds it); the timeout reports no answer.
             dealer.send_multipart(snapshot_request(stream.topic), flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            dealer.close(linger=0)
             log.warning("origin %s: snapshot request not sent: %s", stream.origin, exc)
             return
-        poller.register(dealer, zmq.POLLIN)
-        by_socket[dealer] = (link, "snapshot")
-        link.snap_dealer = dealer
         log.info("origin %s: snapshot requested", stream.origin)
 
     async def _read(
@@ -1255,6 +1231,32 @@ class ZmqSubscriber(Subscriber):
             ):
                 break  # let the loop send the next replay request first
         return out
+
+
+def _new_dealer(
+    ctx: zmq.asyncio.Context,
+    poller: zmq.asyncio.Poller,
+    by_socket: dict[zmq.asyncio.Socket, tuple[_Link, _SocketKind]],
+    link: _Link,
+    old: zmq.asyncio.Socket | None,
+    endpoint: str,
+    kind: _SocketKind,
+) -> zmq.asyncio.Socket:
+    """A DEALER connected to `endpoint` and polled as `kind`, in place of `old`."""
+    if old is not None:
+        poller.unregister(old)
+        by_socket.pop(old, None)
+        old.close(linger=0)
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(endpoint)
+    except zmq.ZMQError as exc:
+        dealer.close(linger=0)
+        raise TransportError(f"ZMQ subscriber: cannot connect {endpoint}: {exc}") from exc
+    poller.register(dealer, zmq.POLLIN)
+    by_socket[dealer] = (link, kind)
+    return dealer
 
 
 # -- URL factory (kvstream.config's _SUBSCRIBERS) ---------------------------------------------

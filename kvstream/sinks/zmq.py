@@ -376,19 +376,11 @@ class ZmqSink(Sink):
             self._pub = pub
             self.endpoint = _attach(pub, self.endpoint, self.bind, "endpoint")
             if self.replay_endpoint is not None:
-                router = ctx.socket(zmq.ROUTER)
-                router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                router.setsockopt(zmq.LINGER, 0)
-                router.setsockopt(zmq.SNDHWM, self.replay_hwm)
-                self._router = router
+                router = self._router = _paced_router(ctx, self.replay_hwm)
                 self.replay_endpoint = _attach(router, self.replay_endpoint, True, "replay")
             if self._snapshots is not None:
                 assert self.snapshot_endpoint is not None
-                snap = ctx.socket(zmq.ROUTER)
-                snap.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                snap.setsockopt(zmq.LINGER, 0)
-                snap.setsockopt(zmq.SNDHWM, self.replay_hwm)
-                self._snap_router = snap
+                snap = self._snap_router = _paced_router(ctx, self.replay_hwm)
                 self.snapshot_endpoint = _attach(snap, self.snapshot_endpoint, True, "snapshot")
                 self._snapshots.endpoint = self.snapshot_endpoint
         except BaseException:
@@ -747,6 +739,15 @@ def _send_now(sock: zmq.Socket[bytes], frames: list[bytes], *, copy: bool = True
             send(sock, frame, flags)
         else:
             send(sock, frame, flags, False)
+
+
+def _paced_router(ctx: zmq.Context[zmq.Socket[bytes]], hwm: int) -> zmq.Socket[bytes]:
+    """A ROUTER whose sends to a full pipe answer EAGAIN (never dropped), `hwm` per client."""
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.SNDHWM, hwm)
+    return router
 
 
 def _attach(sock: zmq.Socket[bytes], endpoint: str, bind: bool, what: str) -> str:

@@ -680,3 +680,38 @@ async def test_a_relay_carries_an_upstream_snapshot_under_a_new_epoch_as_no_rest
     assert sum(type(e) is AllBlocksCleared for e in out) == 1 + sum(
         type(e) is AllBlocksCleared for e in first.events
     )
+
+
+async def test_the_snapshot_endpoint_refuses_what_it_cannot_answer(short_dir: str) -> None:
+    """A malformed request is counted; an unknown topic, or a state past its bound,
+    gets `none` with the reason (a consumer then goes on from the ring)."""
+    publisher = Publisher(13)
+    sink = ZmqSink(
+        f"ipc://{short_dir}/live",
+        snapshot_endpoint=f"ipc://{short_dir}/snap",
+        topic="kv",
+        snapshot_max_bytes=4096,  # a few blocks
+        policy="block",
+    )
+    ctx = zmq.asyncio.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        async with sink:
+            for _ in range(5):
+                await sink.put(publisher.next_batch())
+            dealer.connect(f"ipc://{short_dir}/snap")
+            await dealer.send_multipart([b"", b"\x00" * 8])  # a replay request, not ours
+            replies = []
+            for topic in (b"other", b"kv"):
+                await dealer.send_multipart(snapshot_request(topic))
+                with anyio.fail_after(10):
+                    replies.append(parse_snapshot_message(await dealer.recv_multipart()))
+            stats = sink.snapshot_statistics()
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+    assert [(r.kind, r.topic) for r in replies] == [("none", b"other"), ("none", b"kv")]
+    assert b"no stream has this topic" in replies[0].body
+    assert b"unknown" in replies[1].body  # the bound made the state unknown
+    assert stats is not None
+    assert (stats.malformed, stats.requests, stats.unavailable, stats.served) == (1, 2, 2, 0)

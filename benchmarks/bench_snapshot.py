@@ -22,6 +22,11 @@ token ids below 32000, stored in chains of 512 blocks, 16 blocks per event):
 * with `--nats URL` / `--redis URL` (a running server): wall time of a
   sink publishing the snapshot (`publish_snapshot`) and of a subscriber
   reading it back into one `SnapshotBatch` (medians of `--repeat`).
+* with `--zmq`: a `ZmqSink` with a snapshot endpoint (ipc, in this process)
+  that published the batches, and a cold-starting `ZmqSubscriber`: wall time
+  from the subscriber's start to its `SnapshotBatch` (the sink takes, encodes
+  in msgpack and sends the parts; the subscriber decodes them; medians of
+  `--repeat`).
 
 Medians of `--repeat` runs after a warm-up (the keep step once: it builds the
 state the others use). CPU time of this process (the machines are shared).
@@ -213,6 +218,35 @@ async def _through_brokers(
     return out
 
 
+async def _through_zmq(batches: list[EventBatch], repeat: int) -> dict[str, float]:
+    import tempfile
+
+    import anyio
+
+    from kvstream.consumers.zmq import ZmqPublisher, ZmqSubscriber
+    from kvstream.sinks.zmq import ZmqSink
+
+    folder = tempfile.mkdtemp(prefix="kvsnap")
+    live, snap = f"ipc://{folder}/live", f"ipc://{folder}/snap"
+    walls: list[float] = []
+    sink = ZmqSink(live, snapshot_endpoint=snap, policy="block", buffer_steps=4)
+    async with sink:
+        for b in batches:
+            await sink.put(b)
+        # The sink's counters have no event to wait on (ASYNC110): poll every 10 ms.
+        while sink.statistics().batches_out < len(batches):  # noqa: ASYNC110
+            await anyio.sleep(0.01)
+        for _ in range(repeat):
+            sub = ZmqSubscriber(ZmqPublisher(live, snapshot_endpoint=snap, origin="bench"))
+            start = time.perf_counter()
+            async with sub:
+                async for item in sub:
+                    assert getattr(item, "is_snapshot", False), item
+                    walls.append(time.perf_counter() - start)
+                    break
+    return {"zmq_snapshot_wall_s": statistics.median(walls)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -223,6 +257,7 @@ def main() -> int:
     p.add_argument("--json", metavar="PATH", help="write the report as JSON ('-': stdout)")
     p.add_argument("--nats", metavar="URL", help="also publish and read it through NATS")
     p.add_argument("--redis", metavar="URL", help="also write and read it through Redis")
+    p.add_argument("--zmq", action="store_true", help="also serve it on a ZMQ snapshot endpoint")
     args = p.parse_args()
     n = args.blocks or (100_000 if args.quick else 1_000_000)
     result = run(n, max(args.repeat, 1))
@@ -231,6 +266,10 @@ def main() -> int:
 
         batches = _batches(n)
         result.update(anyio.run(_through_brokers, batches, args.nats, args.redis, args.repeat))
+    if args.zmq:
+        import anyio
+
+        result.update(anyio.run(_through_zmq, _batches(n), args.repeat))
     report = {
         "command": " ".join(["python", *sys.argv]),
         "python": platform.python_version(),
@@ -268,6 +307,11 @@ def main() -> int:
                 f"  {name}: publish {r[f'{name}_publish_wall_s']:.2f} s, "
                 f"read back {r[f'{name}_read_wall_s']:.2f} s (wall)"
             )
+    if "zmq_snapshot_wall_s" in r:
+        print(
+            "  zmq: sink to subscriber, cold start to SnapshotBatch "
+            f"{r['zmq_snapshot_wall_s']:.2f} s (wall)"
+        )
     return 0
 
 

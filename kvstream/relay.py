@@ -9,8 +9,14 @@ the origin its subscriber names, a kvstream-format upstream carrying several
 origins keeps each of them.
 
 * An upstream **restart** (a new epoch of an origin) becomes an
-  `AllBlocksCleared` in that origin's stream: the relay's own epoch goes on,
-  so this is how its consumers learn that everything the origin held is gone.
+  `AllBlocksCleared` in that origin's stream, once, counted: the relay's own
+  epoch goes on, so this is how its consumers learn that everything the origin
+  held is gone. An upstream snapshot (a `SnapshotBatch`) begins with its own
+  `AllBlocksCleared` and is carried as it is.
+* **Recovery downstream.** The relay's sinks serve what engines without
+  snapshots lack: a ZMQ sink with `?snapshot=...&heartbeat=...`, or a broker
+  sink with `snapshot_every`/`heartbeat`, keeps the state of every origin it
+  carries and serves its snapshots and heartbeats.
 * An upstream **gap** its subscriber could not repair is counted, logged, and
   kept visible in the output: the relay renumbers each origin contiguously
   (its sinks carry the relay's own `(origin, epoch, seq)`), so a gap cannot
@@ -316,7 +322,11 @@ class Relay:
         self._events_in += len(batch.events)
         events = batch.events
         if feed.epoch != batch.epoch:
-            if feed.epoch is not None:
+            if feed.epoch is not None and getattr(batch, "is_snapshot", False):
+                # A snapshot under the publisher's own epoch (a ZMQ subscriber names
+                # the epoch once it learns it): its AllBlocksCleared is the clear.
+                log.info("relay: origin %s continues from a snapshot", batch.origin)
+            elif feed.epoch is not None:
                 self._restarts += 1
                 log.warning(
                     "relay: origin %s restarted upstream (epoch %s -> %s); "

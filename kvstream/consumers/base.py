@@ -17,6 +17,7 @@ not repair are reported as [`Gap`][kvstream.consumers.base.Gap] items, never hid
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from enum import Enum
@@ -24,6 +25,8 @@ from types import TracebackType
 from typing import Literal, NamedTuple, Self, TypeAlias
 
 from kvstream.events import EventBatch
+
+log = logging.getLogger("kvstream.consumers")
 
 __all__ = [
     "Continuity",
@@ -34,6 +37,7 @@ __all__ = [
     "SequenceTracker",
     "Subscriber",
     "SubscriberItem",
+    "report_liveness",
 ]
 
 
@@ -234,3 +238,24 @@ class LivenessTracker:
             o: Liveness(o, k.epoch, k.last_seq, k.interval, k.alive, now - k.when)
             for o, k in self._origins.items()
         }
+
+
+def report_liveness(
+    changes: list[LivenessChange],
+    where: str,
+    on_liveness: Callable[[LivenessChange], object] | None,
+) -> int:
+    """Log each change at WARNING and pass it to `on_liveness`; returns how many.
+
+    The callback's own errors are logged, never raised: they must not stop the reading.
+    """
+    for change in changes:
+        log.warning(
+            "%s: origin %s (epoch %s) is %s", where, change.origin, change.epoch, change.change
+        )
+        if on_liveness is not None:
+            try:
+                on_liveness(change)
+            except Exception:
+                log.exception("%s: on_liveness raised", where)
+    return len(changes)

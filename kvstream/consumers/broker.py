@@ -59,6 +59,7 @@ from kvstream.consumers.base import (
     SequenceTracker,
     Subscriber,
     SubscriberItem,
+    report_liveness,
 )
 from kvstream.consumers.socket import SnapshotBatch
 from kvstream.errors import ClosedError, DecodeError, KVStreamError
@@ -247,20 +248,7 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
             self._report(self.liveness_tracker.check())
 
     def _report(self, changes: list[LivenessChange]) -> None:
-        for change in changes:
-            self.liveness_changes += 1
-            log.warning(
-                "%s: origin %s (epoch %s) is %s",
-                self.shown,
-                change.origin,
-                change.epoch,
-                change.change,
-            )
-            if self.on_liveness is not None:
-                try:
-                    self.on_liveness(change)
-                except Exception:  # the callback's bug must not stop the reading
-                    log.exception("%s: on_liveness raised", self.shown)
+        self.liveness_changes += report_liveness(changes, self.shown, self.on_liveness)
 
     @property
     def snapshots(self) -> bool:

@@ -27,7 +27,7 @@ import random
 import socket
 import ssl
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Self
 
 import anyio
@@ -35,7 +35,17 @@ import anyio.abc
 from anyio.abc import SocketAttribute
 from anyio.streams.tls import TLSStream
 
-from kvstream.consumers.base import Continuity, Gap, SequenceTracker, Subscriber, SubscriberItem
+from kvstream.consumers.base import (
+    Continuity,
+    Gap,
+    Liveness,
+    LivenessChange,
+    LivenessTracker,
+    SequenceTracker,
+    Subscriber,
+    SubscriberItem,
+    report_liveness,
+)
 from kvstream.errors import ClosedError, ConfigError, DecodeError, TransportError
 from kvstream.events import EventBatch, KVCacheEvent
 from kvstream.wire.socket_protocol import (
@@ -50,6 +60,7 @@ from kvstream.wire.socket_protocol import (
     Welcome,
     codec_by_name,
     encode_hello,
+    parse_heartbeat,
     parse_welcome,
 )
 from kvstream.wire.socket_security import client_ssl_context, token_from_options
@@ -136,6 +147,14 @@ class SocketSubscriber(Subscriber):
     backoff (`retry_initial` doubling up to `retry_max` seconds) until
     `aclose()`. An error the sink reports as final (a wrong token, a bad
     hello, a `from_seq` ahead of the stream) raises `TransportError`.
+
+    `snapshots` (default: when `from_seq` is None): on a cold start, when the
+    sink's welcome says it offers snapshots, start whole: ask every origin from
+    seq 0 (the ring replays it, or the sink sends a `SnapshotBatch`) instead of
+    joining live. A resume past the ring gets a snapshot whenever the sink
+    offers one. `heartbeats=True` listens to the sink's heartbeats (a sink
+    with `heartbeat=`): an origin heard from neither by batch nor heartbeat for
+    two intervals is reported gone (`on_liveness`, the log, `liveness()`).
     """
 
     def __init__(
@@ -153,6 +172,9 @@ class SocketSubscriber(Subscriber):
         retry_max: float = 5.0,
         connect_timeout: float = 10.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        snapshots: bool | None = None,
+        heartbeats: bool = False,
+        on_liveness: Callable[[LivenessChange], object] | None = None,
     ) -> None:
         if (path is None) == (port is None):
             raise ConfigError(
@@ -199,6 +221,14 @@ class SocketSubscriber(Subscriber):
         self._bad_messages = 0
         self._bad_burst = False
         self._warned = False
+        #: Whether a cold start begins from snapshots the sink offers.
+        self.snapshots = from_seq is None if snapshots is None else bool(snapshots)
+        self._rejoin = False
+        self.heartbeats = heartbeats
+        self.on_liveness = on_liveness
+        self.liveness_tracker = LivenessTracker(anyio.current_time)
+        #: Liveness changes reported (gone, back, restarted).
+        self.liveness_changes = 0
 
     @property
     def address(self) -> str:
@@ -263,7 +293,15 @@ class SocketSubscriber(Subscriber):
                 await self._connect()
                 continue
             try:
-                data = await stream.receive(_RECEIVE_BYTES)
+                if self.heartbeats:
+                    data = b""
+                    with anyio.move_on_after(self._check_every()):
+                        data = await stream.receive(_RECEIVE_BYTES)
+                    self._report(self.liveness_tracker.check())
+                    if not data:
+                        continue
+                else:
+                    data = await stream.receive(_RECEIVE_BYTES)
             except _CLOSED_ERRORS as exc:
                 if self._closed:
                     raise StopAsyncIteration from None
@@ -297,6 +335,8 @@ class SocketSubscriber(Subscriber):
                 self._on_snapshot(message)
             elif message.type == "gap":
                 self._on_gap(message)
+            elif message.type == "heartbeat":
+                self._on_heartbeat(message)
             elif message.type == "end":
                 log.info("%s: the sink is closing", self.address)
                 await self._lost("the sink closed", None, ended=True)
@@ -318,6 +358,8 @@ class SocketSubscriber(Subscriber):
         if state is Continuity.NEW_EPOCH:
             self._restarts += 1
             log.info("%s: origin %s restarted (epoch %s)", self.address, batch.origin, batch.epoch)
+        if self.heartbeats:
+            self._report(self.liveness_tracker.heard(batch.origin, batch.epoch, batch.seq))
         if gap is not None:
             log.warning(
                 "%s: %s epoch %s: batches %d..%d missing",
@@ -372,6 +414,31 @@ class SocketSubscriber(Subscriber):
             )
         self._items.append(Gap(origin, epoch, first, nxt, str(reason or "gap")))
 
+    # -- liveness ------------------------------------------------------------------
+
+    def liveness(self) -> dict[str, Liveness]:
+        """`{origin: Liveness}`: who was heard from when, and who is gone (`heartbeats`)."""
+        return self.liveness_tracker.snapshot()
+
+    def _report(self, changes: list[LivenessChange]) -> None:
+        self.liveness_changes += report_liveness(changes, self.address, self.on_liveness)
+
+    def _check_every(self) -> float:
+        """How long a read may wait before the silent origins are looked at."""
+        intervals = [k.interval for k in self.liveness_tracker.snapshot().values() if k.interval]
+        return min(intervals, default=2.0) / 2
+
+    def _on_heartbeat(self, message: ControlMessage) -> None:
+        if not self.heartbeats:
+            return
+        try:
+            hb = parse_heartbeat(message.fields)
+        except DecodeError as exc:
+            self._bad_messages += 1
+            log.warning("%s: malformed heartbeat skipped: %s", self.address, exc)
+            return
+        self._report(self.liveness_tracker.heard(hb.origin, hb.epoch, hb.seq, hb.interval))
+
     def _on_snapshot(self, part: SnapshotPart) -> None:
         if part.part == 0:
             self._snapshot_parts[part.origin] = []
@@ -385,6 +452,8 @@ class SocketSubscriber(Subscriber):
         del self._snapshot_parts[part.origin]
         self._snapshots += 1
         self.tracker.expect(part.origin, part.epoch, part.next_seq)
+        if self.heartbeats:
+            self._report(self.liveness_tracker.heard(part.origin, part.epoch, part.next_seq - 1))
         self._items.append(SnapshotBatch.of(part, events))
 
     # -- connecting ----------------------------------------------------------------
@@ -456,6 +525,8 @@ class SocketSubscriber(Subscriber):
     async def _connect(self) -> None:
         """Connect, say hello, read the welcome; retry with backoff as configured."""
         while not self._closed:
+            if self.heartbeats:  # a sink that is not there is also silent
+                self._report(self.liveness_tracker.check())
             if self._failures:
                 delay = min(self.retry_initial * 2 ** (self._failures - 1), self.retry_max)
                 await anyio.sleep(delay * random.uniform(0.5, 1.0))
@@ -486,6 +557,13 @@ class SocketSubscriber(Subscriber):
             self._stream = stream
             self._reader = reader
             self._on_welcome(welcome)
+            if self._rejoin:
+                # A cold start that begins whole: ask again, every origin from 0.
+                self._rejoin = False
+                self._stream = None
+                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                    await stream.aclose()
+                continue
             await self._read_messages()  # what came with the welcome
             return
 
@@ -502,6 +580,12 @@ class SocketSubscriber(Subscriber):
         tracker = self.tracker
         if not self._joined:
             self._joined = True
+            if self.snapshots and welcome.snapshot and welcome.origins:
+                for origin, info in welcome.origins.items():
+                    tracker.expect(origin, info.epoch, 0)
+                self._rejoin = True
+                log.info("%s: starting from the sink's snapshots", self.address)
+                return
             for origin, info in welcome.origins.items():
                 n = _start_for(self.from_seq, origin)
                 if n is None:
@@ -577,6 +661,9 @@ def subscriber_from_url(
     if from_seq is not None:
         kwargs.setdefault("from_seq", from_seq)
     kwargs.setdefault("reconnect", opts.pop_bool("reconnect", True))
+    if "snapshots" in opts:
+        kwargs.setdefault("snapshots", opts.pop_bool("snapshots"))
+    kwargs["heartbeats"] = opts.pop_bool("heartbeats", kwargs.pop("heartbeats", False))
     for key in ("retry_max", "connect_timeout"):
         value = opts.pop_float(key)
         if value is not None:

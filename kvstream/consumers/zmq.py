@@ -57,7 +57,7 @@ import logging
 import math
 import secrets
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, TypeAlias
 
@@ -66,7 +66,16 @@ import msgspec
 
 from kvstream.codecs.dialects import DIALECTS
 from kvstream.codecs.msgpack import MsgpackCodec
-from kvstream.consumers.base import Gap, Subscriber, SubscriberItem
+from kvstream.consumers.base import (
+    Gap,
+    Liveness,
+    LivenessChange,
+    LivenessTracker,
+    Subscriber,
+    SubscriberItem,
+    report_liveness,
+)
+from kvstream.consumers.broker import as_snapshot_batch
 from kvstream.errors import (
     ClosedError,
     ConfigError,
@@ -74,8 +83,10 @@ from kvstream.errors import (
     MissingDependencyError,
     TransportError,
 )
+from kvstream.events import EventBatch, KVCacheEvent
 from kvstream.media import MEDIA_POLICIES
 from kvstream.sinks.burst_log import BurstLog
+from kvstream.wire.broker import Heartbeat
 from kvstream.wire.vllm_zmq import (
     DEFAULT_HWM,
     ReplayBatch,
@@ -84,6 +95,14 @@ from kvstream.wire.vllm_zmq import (
     parse_live,
     parse_replay_reply,
     replay_request,
+)
+from kvstream.wire.zmq_recovery import (
+    HEARTBEAT_TOPIC,
+    SnapshotHead,
+    SnapshotMessage,
+    parse_heartbeat,
+    parse_snapshot_message,
+    snapshot_request,
 )
 
 try:
@@ -172,6 +191,9 @@ class ZmqPublisher:
     #: `start`: a fresh publisher's stream begins at seq 0 (replayed, or a gap);
     #: `live`: at the first batch heard.
     join: Join = "start"
+    #: kvstream's snapshot endpoint of the publisher (`ZmqSink(snapshot_endpoint=...)`):
+    #: taken on a cold start and for a gap the replay ring cannot fill.
+    snapshot_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "endpoint", normalize_endpoint(self.endpoint))
@@ -185,6 +207,15 @@ class ZmqPublisher:
             raise ConfigError(f"from_seq: expected an int >= 0, got {self.from_seq!r}")
         if self.join not in JOINS:
             raise ConfigError(f"join: expected one of {', '.join(JOINS)}, got {self.join!r}")
+        if self.snapshot_endpoint is not None:
+            object.__setattr__(
+                self, "snapshot_endpoint", normalize_endpoint(self.snapshot_endpoint, "snapshot")
+            )
+            if self.binds:
+                raise ConfigError(
+                    f"snapshot: a bound (fan-in) endpoint {self.endpoint} has many publishers; "
+                    "snapshots need a connected one"
+                )
 
     @property
     def origin_name(self) -> str:
@@ -220,6 +251,11 @@ class PublisherStatistics(NamedTuple):
     restarts: int
     #: Events left out of delivered batches because no dialect reads them.
     events_refused: int = 0
+    #: Snapshots delivered, and snapshot requests that got none (or timed out).
+    snapshots: int = 0
+    snapshots_failed: int = 0
+    #: Heartbeats heard.
+    heartbeats: int = 0
 
 
 class PublisherStream:
@@ -244,8 +280,10 @@ class PublisherStream:
         max_reorder_bytes: int = DEFAULT_MAX_REORDER_BYTES,
         join: Join = "start",
         exact_topic: bool = False,
+        has_snapshot: bool = False,
     ) -> None:
         self.origin = origin
+        self.has_snapshot = has_snapshot
         self.join = join
         #: Replies must carry exactly `topic` (a fan-in origin), not only start with it.
         self.exact_topic = exact_topic
@@ -285,6 +323,22 @@ class PublisherStream:
         self.replayed = 0
         self.reorder_overflow = 0
         self.restarts = 0
+        # snapshots (kvstream's extension): in flight, its head and events so far
+        self.snapshotting = False
+        self.snapshot_deadline = math.inf
+        #: Set when a snapshot request should be sent (on a new socket).
+        self.snapshot_wanted = False
+        self._snap_head: SnapshotHead | None = None
+        self._snap_events: list[KVCacheEvent] = []
+        #: The position a snapshot was last taken or tried at (never twice for one).
+        self._snap_tried: int | None = None
+        self.snapshots = 0
+        self.snapshots_failed = 0
+        #: The publisher's own epoch when known (snapshots, heartbeats), else None.
+        self.publisher_epoch: str | None = None
+        self.heartbeats = 0
+        #: A snapshot was delivered and no live batch was heard since.
+        self._after_snapshot = False
 
     # -- inputs -------------------------------------------------------------------------
 
@@ -296,6 +350,8 @@ class PublisherStream:
                 self._begin_replay(from_seq, None, now)
         elif self.join == "start":
             self.expected = 0  # a fresh publisher counts from 0: what came before is asked
+            if self.has_snapshot:
+                self._begin_snapshot(now)
         return []
 
     def on_live(self, seq: int, payload: bytes, now: float) -> list[SubscriberItem]:
@@ -308,8 +364,14 @@ class PublisherStream:
                 self.duplicates += 1
                 return out
             out.extend(self._restart(seq))
+        elif last is None and seq == 0 and self._after_snapshot and self.expected:
+            # Nothing heard live since a snapshot: a seq 0 below it is a new
+            # instance (were it an old batch in flight, the stream from 0 that
+            # follows it rebuilds the same state under a new epoch).
+            out.extend(self._restart(seq))
         self.last_live = seq
-        if self.replaying:
+        self._after_snapshot = False
+        if self.replaying or self.snapshotting:
             self._hold(seq, payload)
             return out
         expected = self.expected
@@ -357,12 +419,51 @@ class PublisherStream:
             return []
         out: list[SubscriberItem] = []
         if seq > expected:
+            if self._can_snapshot(expected):
+                # Beyond the ring: the snapshot stands in for what it forgot.
+                self.replaying = False
+                self.replay_until = None
+                self.reset_dealer = True
+                self._hold(seq, reply.payload)
+                self._begin_snapshot(now)
+                return out
             out.append(self._gap(expected, seq, "not in the publisher's replay ring"))
         out.extend(self._deliver(seq, reply.payload, replayed=True))
         return out
 
+    def on_snapshot(self, message: SnapshotMessage, now: float) -> list[SubscriberItem]:
+        """A message of the snapshot reply arrived."""
+        if not self.snapshotting or message.topic != self.topic:
+            return []  # a late reply to an abandoned request, or another stream's
+        self.snapshot_deadline = now + self.replay_timeout
+        kind = message.kind
+        if kind == "none":
+            return self._snapshot_failed(now, message.body.decode("utf-8", "replace"))
+        if kind == "head":
+            try:
+                self._snap_head = SnapshotHead.from_json(message.body)
+            except DecodeError as exc:
+                return self._snapshot_failed(now, str(exc))
+            self._snap_events = []
+            return []
+        head = self._snap_head
+        if head is None:
+            return self._snapshot_failed(now, f"a {kind} message before the head")
+        if kind == "part":
+            try:
+                part, _ = self.codec.decode_screened(
+                    message.body, seq=head.resume_seq - 1, origin=self.origin, epoch=head.epoch
+                )
+            except DecodeError as exc:
+                return self._snapshot_failed(now, f"a part does not decode: {exc}")
+            self._snap_events.extend(part.events)
+            return []
+        return self._snapshot_done(head, now)
+
     def on_timer(self, now: float) -> list[SubscriberItem]:
-        """Give up a replay that has not answered within the timeout."""
+        """Give up a replay or a snapshot that has not answered within the timeout."""
+        if self.snapshotting and now >= self.snapshot_deadline:
+            return self._snapshot_failed(now, f"timed out after {self.replay_timeout:g} s")
         if self.replaying and now >= self.replay_deadline:
             self.replays_timed_out += 1
             self.reset_dealer = True
@@ -378,6 +479,8 @@ class PublisherStream:
     def on_stop(self, now: float) -> list[SubscriberItem]:
         """The subscriber stops: give up a replay in flight, deliver what is held."""
         self.stopping = True
+        if self.snapshotting:
+            return self._snapshot_failed(now, "the subscriber stopped")
         if self.replaying:
             return self._finish_replay(now, "the subscriber stopped during a replay")
         return []
@@ -389,14 +492,99 @@ class PublisherStream:
             self._malformed_burst = True
             log.warning("origin %s: malformed message skipped: %s", self.origin, reason)
 
+    def on_heartbeat(self, hb: Heartbeat, now: float) -> list[SubscriberItem]:
+        """The publisher's heartbeat: a restart while idle, or batches missed at the tail."""
+        self.heartbeats += 1
+        out: list[SubscriberItem] = []
+        known, self.publisher_epoch = self.publisher_epoch, hb.epoch
+        if known is not None and known != hb.epoch and not self.snapshotting:
+            out.extend(self._restart(-1))
+            self.epoch = hb.epoch
+        expected = self.expected
+        if (
+            hb.seq >= 0
+            and expected is not None
+            and hb.seq >= expected
+            and not (self.replaying or self.snapshotting)
+            and known in (None, hb.epoch)
+        ):
+            # Its last batch never reached us: repair as a live gap would be.
+            if self._can_replay(now):
+                self._begin_replay(expected, hb.seq + 1, now)
+            elif self._can_snapshot(expected):
+                self._begin_snapshot(now)
+            else:
+                out.append(self._gap(expected, hb.seq + 1, "missed on the live stream"))
+                self.expected = hb.seq + 1
+        return out
+
     @property
     def deadline(self) -> float:
+        if self.snapshotting:
+            return self.snapshot_deadline
         return self.replay_deadline if self.replaying else math.inf
 
     # -- the rules ----------------------------------------------------------------------
 
     def _can_replay(self, now: float) -> bool:
         return self.has_replay and not self.stopping and now >= self.replay_suspended_until
+
+    def _can_snapshot(self, expected: int) -> bool:
+        return self.has_snapshot and not self.stopping and self._snap_tried != expected
+
+    def _begin_snapshot(self, now: float) -> None:
+        self.snapshotting = True
+        self.snapshot_wanted = True
+        self.snapshot_deadline = now + self.replay_timeout
+        self._snap_tried = self.expected
+        self._snap_head = None
+        self._snap_events = []
+
+    def _end_snapshot(self) -> None:
+        self.snapshotting = False
+        self.snapshot_wanted = False
+        self.snapshot_deadline = math.inf
+        self._snap_head = None
+        self._snap_events = []
+
+    def _snapshot_done(self, head: SnapshotHead, now: float) -> list[SubscriberItem]:
+        """The whole snapshot arrived: deliver it, then what was held after it."""
+        events = self._snap_events
+        self._end_snapshot()
+        first_missing = self.expected if self.expected is not None else 0
+        self.epoch = self.publisher_epoch = head.epoch
+        self.expected = head.resume_seq
+        self._after_snapshot = self.last_live is None
+        self.snapshots += 1
+        log.info(
+            "origin %s: snapshot of %d blocks taken (epoch %s, resume at seq %d)",
+            self.origin,
+            head.blocks,
+            head.epoch,
+            head.resume_seq,
+        )
+        batch = EventBatch._trusted(
+            head.resume_seq - 1,
+            head.ts,
+            events,
+            head.data_parallel_rank,
+            self.origin,
+            head.epoch,
+        )
+        self.batches += 1
+        self.events += len(events)
+        out: list[SubscriberItem] = [as_snapshot_batch(batch, first_missing)]
+        out.extend(self._finish_replay(now, None))
+        return out
+
+    def _snapshot_failed(self, now: float, reason: str) -> list[SubscriberItem]:
+        """No snapshot: go on as without one (replay what is missing, or report it)."""
+        self._end_snapshot()
+        self.snapshots_failed += 1
+        log.warning(
+            "origin %s: no snapshot (%s); the replay ring is what remains", self.origin, reason
+        )
+        return self._finish_replay(now, None)
 
     def _begin_replay(self, from_seq: int, until: int | None, now: float) -> None:
         self.replaying = True
@@ -452,6 +640,9 @@ class PublisherStream:
                 if failure is None and not unfilled and self._can_replay(now):
                     self._begin_replay(expected, seq, now)
                     return out
+                if failure is None and self._can_snapshot(expected):
+                    self._begin_snapshot(now)  # beyond the ring, or no ring
+                    return out
                 if failure is not None:
                     reason = failure
                 elif unfilled:
@@ -462,6 +653,14 @@ class PublisherStream:
             payload = self.held.pop(seq)
             self.held_bytes -= len(payload)
             out.extend(self._deliver(seq, payload, replayed=False))
+        expected = self.expected
+        if failure is None and until is not None and expected is not None and expected < until:
+            # The ring ended before `until` (a tail a heartbeat announced, say).
+            if self._can_snapshot(expected):
+                self._begin_snapshot(now)
+            else:
+                out.append(self._gap(expected, until, "not in the publisher's replay ring"))
+                self.expected = until
         return out
 
     def _restart(self, seq: int) -> list[SubscriberItem]:
@@ -472,6 +671,10 @@ class PublisherStream:
             self.replay_until = None
             self.reset_dealer = True
             self.requests.clear()
+        if self.snapshotting:
+            self._end_snapshot()
+        self.publisher_epoch = None
+        self._snap_tried = None
         for held_seq in sorted(self.held):
             expected = self.expected
             assert expected is not None
@@ -482,12 +685,17 @@ class PublisherStream:
         self.held.clear()
         self.held_bytes = 0
         self.restarts += 1
-        log.warning(
-            "origin %s: sequence went back from %s to %d: the publisher restarted (new epoch)",
-            self.origin,
-            self.last_live,
-            seq,
-        )
+        if seq < 0:
+            log.warning(
+                "origin %s: its heartbeat has a new epoch: the publisher restarted", self.origin
+            )
+        else:
+            log.warning(
+                "origin %s: sequence went back from %s to %d: the publisher restarted (new epoch)",
+                self.origin,
+                self.last_live,
+                seq,
+            )
         self.epoch = _new_epoch()
         self.expected = 0  # a restarted publisher counts from 0
         self.last_live = None
@@ -549,6 +757,9 @@ class PublisherStream:
             reorder_overflow=self.reorder_overflow,
             restarts=self.restarts,
             events_refused=self.events_refused,
+            snapshots=self.snapshots,
+            snapshots_failed=self.snapshots_failed,
+            heartbeats=self.heartbeats,
         )
 
     def resend(self, now: float) -> None:
@@ -559,6 +770,8 @@ class PublisherStream:
 
 
 _StreamKey: TypeAlias = tuple[bytes, int | None]
+#: What a subscriber's socket reads: the live stream, replay replies, snapshot replies.
+_SocketKind: TypeAlias = Literal["live", "replay", "snapshot"]
 
 
 class _Link:
@@ -576,6 +789,7 @@ class _Link:
         "inflight",
         "monitor",
         "primary",
+        "snap_dealer",
         "spec",
         "streams",
         "sub",
@@ -597,6 +811,8 @@ class _Link:
         self.monitor: zmq.asyncio.Socket | None = None
         #: a dropped connection waits to be made again (a connecting SUB)
         self.dropped = False
+        #: To the snapshot endpoint, made anew for each request.
+        self.snap_dealer: zmq.asyncio.Socket | None = None
 
     def all_streams(self) -> Iterator[PublisherStream]:
         if self.primary is not None:
@@ -624,6 +840,13 @@ class _Link:
         stream = self.streams[key] = self.factory(name, topic, True)
         log.info("fan-in: new publisher on %s: origin %s", self.spec.endpoint, name)
         return stream, True
+
+    def streams_of_topic(self, topic: bytes) -> list[PublisherStream]:
+        """The streams a heartbeat of `topic` speaks for."""
+        primary = self.primary
+        if primary is not None:
+            return [primary] if topic.startswith(primary.topic) else []
+        return [s for (t, _), s in self.streams.items() if t == topic]
 
     def route_reply(self, reply: ReplayBatch | None) -> PublisherStream | None:
         """The stream a replay message answers (the oldest request in flight)."""
@@ -675,6 +898,8 @@ class ZmqSubscriber(Subscriber):
         hwm: int = DEFAULT_HWM,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         poll_interval: float = 0.1,
+        heartbeats: bool = False,
+        on_liveness: Callable[[LivenessChange], object] | None = None,
     ) -> None:
         specs = [publishers] if isinstance(publishers, ZmqPublisher) else list(publishers)
         if not specs:
@@ -708,6 +933,7 @@ class ZmqSubscriber(Subscriber):
                     max_reorder_bytes=max_reorder_bytes,
                     join=spec.join,
                     exact_topic=exact,
+                    has_snapshot=spec.snapshot_endpoint is not None,
                 )
 
             return make
@@ -723,6 +949,12 @@ class ZmqSubscriber(Subscriber):
         self._stopping = False
         self._stop_grace = 0.0
         self._done = anyio.Event()
+        #: Whether heartbeats are listened to (and origins judged gone without them).
+        self.heartbeats = heartbeats
+        self.on_liveness = on_liveness
+        self.liveness_tracker = LivenessTracker(anyio.current_time)
+        #: Liveness changes reported (gone, back, restarted).
+        self.liveness_changes = 0
 
     @property
     def publishers(self) -> tuple[ZmqPublisher, ...]:
@@ -745,6 +977,41 @@ class ZmqSubscriber(Subscriber):
         """Publisher connections libzmq dropped: a message over `max_message_bytes`
         (libzmq refuses it by closing the connection) or the publisher going away."""
         return self._dropped_connections
+
+    def liveness(self) -> dict[str, Liveness]:
+        """`{origin: Liveness}`: who was heard from when, and who is gone (`heartbeats`)."""
+        return self.liveness_tracker.snapshot()
+
+    def _report(self, changes: list[LivenessChange]) -> None:
+        self.liveness_changes += report_liveness(changes, "ZMQ subscriber", self.on_liveness)
+
+    def _delivered(
+        self, stream: PublisherStream, items: list[SubscriberItem]
+    ) -> list[SubscriberItem]:
+        """`items` of `stream`, each batch counted as a sign of life (with heartbeats)."""
+        if self.heartbeats:
+            tracker = self.liveness_tracker
+            for item in items:
+                if isinstance(item, EventBatch):
+                    if getattr(item, "is_snapshot", False):
+                        tracker.forget(stream.origin)  # the epoch is the publisher's from now
+                    epoch = stream.publisher_epoch or item.epoch
+                    self._report(tracker.heard(stream.origin, epoch, item.seq))
+        return items
+
+    def _on_heartbeat(
+        self, link: _Link, frames: list[bytes], now: float, out: list[SubscriberItem]
+    ) -> None:
+        topic, hb = parse_heartbeat(frames)
+        for stream in link.streams_of_topic(topic):
+            fresh = stream.publisher_epoch is None
+            out.extend(self._delivered(stream, stream.on_heartbeat(hb, now)))
+            if self.heartbeats:
+                if fresh:  # until now its batches were known by the subscriber's epoch
+                    self.liveness_tracker.forget(stream.origin)
+                self._report(
+                    self.liveness_tracker.heard(stream.origin, hb.epoch, hb.seq, hb.interval)
+                )
 
     def _streams(self) -> Iterator[PublisherStream]:
         for link in self._links:
@@ -788,13 +1055,13 @@ class ZmqSubscriber(Subscriber):
     async def _run(self) -> AsyncGenerator[SubscriberItem, None]:
         ctx = zmq.asyncio.Context()
         poller = zmq.asyncio.Poller()
-        by_socket: dict[zmq.asyncio.Socket, tuple[_Link, bool]] = {}
+        by_socket: dict[zmq.asyncio.Socket, tuple[_Link, _SocketKind]] = {}
         try:
             monitors: dict[zmq.asyncio.Socket, _Link] = {}
             for link in self._links:
                 link.sub = self._open_sub(ctx, link.spec)
                 poller.register(link.sub, zmq.POLLIN)
-                by_socket[link.sub] = (link, False)
+                by_socket[link.sub] = (link, "live")
                 link.monitor = link.sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                 poller.register(link.monitor, zmq.POLLIN)
                 monitors[link.monitor] = link
@@ -823,8 +1090,8 @@ class ZmqSubscriber(Subscriber):
                             stream.stopping = True
                     if now >= stop_deadline or not any(st.replaying for st in self._streams()):
                         # Last round: what already arrived, then what replays left held.
-                        for sock, (link, is_dealer) in list(by_socket.items()):
-                            pending.extend(await self._read(sock, link, is_dealer, now))
+                        for sock, (link, kind) in list(by_socket.items()):
+                            pending.extend(await self._read(sock, link, kind, now))
                         for stream in list(self._streams()):
                             pending.extend(stream.on_stop(now))
                         for item in pending:
@@ -839,8 +1106,8 @@ class ZmqSubscriber(Subscriber):
                 for sock, _ in ready:
                     entry = by_socket.get(sock)
                     if entry is not None:
-                        link, is_dealer = entry
-                        pending.extend(await self._read(sock, link, is_dealer, now))
+                        link, kind = entry
+                        pending.extend(await self._read(sock, link, kind, now))
                     elif sock in monitors:
                         await self._on_disconnects(monitors[sock])
                 for link in self._links:
@@ -848,6 +1115,8 @@ class ZmqSubscriber(Subscriber):
                         self._reconnect(link)
                 for stream in list(self._streams()):
                     pending.extend(stream.on_timer(now))
+                if self.heartbeats:
+                    self._report(self.liveness_tracker.check())
         finally:
             for link in self._links:
                 if link.monitor is not None:
@@ -869,6 +1138,8 @@ class ZmqSubscriber(Subscriber):
                 sub.bind(spec.endpoint)
             else:
                 sub.connect(spec.endpoint)
+            if self.heartbeats or spec.snapshot_endpoint is not None:
+                sub.setsockopt(zmq.SUBSCRIBE, HEARTBEAT_TOPIC)
         except zmq.ZMQError as exc:
             sub.close(linger=0)
             verb = "bind" if spec.binds else "connect"
@@ -879,30 +1150,15 @@ class ZmqSubscriber(Subscriber):
         self,
         ctx: zmq.asyncio.Context,
         poller: zmq.asyncio.Poller,
-        by_socket: dict[zmq.asyncio.Socket, tuple[_Link, bool]],
+        by_socket: dict[zmq.asyncio.Socket, tuple[_Link, _SocketKind]],
         link: _Link,
     ) -> None:
-        old = link.dealer
-        if old is not None:
-            poller.unregister(old)
-            by_socket.pop(old, None)
-            old.close(linger=0)
-            link.dealer = None
         endpoint = link.spec.replay_endpoint
         assert endpoint is not None
-        dealer = ctx.socket(zmq.DEALER)
-        try:
-            dealer.setsockopt(zmq.LINGER, 0)
-            # A reply over the cap drops the DEALER's connection; the replay then
-            # times out and a new DEALER asks again.
-            dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-            dealer.connect(endpoint)
-        except zmq.ZMQError as exc:
-            dealer.close(linger=0)
-            raise TransportError(f"ZMQ subscriber: cannot connect {endpoint}: {exc}") from exc
-        poller.register(dealer, zmq.POLLIN)
-        by_socket[dealer] = (link, True)
-        link.dealer = dealer
+        old, link.dealer = link.dealer, None
+        link.dealer = _new_dealer(
+            ctx, poller, by_socket, link, old, endpoint, "replay", self.max_message_bytes
+        )
 
     async def _on_disconnects(self, link: _Link) -> None:
         """Count the SUB's dropped connections; a connecting SUB is to connect again
@@ -948,10 +1204,14 @@ class ZmqSubscriber(Subscriber):
         self,
         ctx: zmq.asyncio.Context,
         poller: zmq.asyncio.Poller,
-        by_socket: dict[zmq.asyncio.Socket, tuple[_Link, bool]],
+        by_socket: dict[zmq.asyncio.Socket, tuple[_Link, _SocketKind]],
     ) -> None:
         now = anyio.current_time()
         for link in self._links:
+            primary = link.primary
+            if primary is not None and primary.snapshot_wanted:
+                primary.snapshot_wanted = False
+                self._ask_snapshot(ctx, poller, by_socket, link, primary)
             streams = list(link.all_streams())
             if any(st.reset_dealer for st in streams):
                 # A new socket: replies to the old one's requests never come, so
@@ -982,8 +1242,32 @@ class ZmqSubscriber(Subscriber):
                         link.inflight.append(stream)
                         log.info("origin %s: replay requested from seq %d", stream.origin, start)
 
+    def _ask_snapshot(
+        self,
+        ctx: zmq.asyncio.Context,
+        poller: zmq.asyncio.Poller,
+        by_socket: dict[zmq.asyncio.Socket, tuple[_Link, _SocketKind]],
+        link: _Link,
+        stream: PublisherStream,
+    ) -> None:
+        """Send a snapshot request on a new socket (late replies to an old one never come)."""
+        endpoint = link.spec.snapshot_endpoint
+        assert endpoint is not None
+        old, link.snap_dealer = link.snap_dealer, None
+        dealer = _new_dealer(
+            ctx, poller, by_socket, link, old, endpoint, "snapshot", self.max_message_bytes
+        )
+        link.snap_dealer = dealer
+        try:
+            # Queued until connected (a DEALER holds it); the timeout reports no answer.
+            dealer.send_multipart(snapshot_request(stream.topic), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("origin %s: snapshot request not sent: %s", stream.origin, exc)
+            return
+        log.info("origin %s: snapshot requested", stream.origin)
+
     async def _read(
-        self, sock: zmq.asyncio.Socket, link: _Link, is_dealer: bool, now: float
+        self, sock: zmq.asyncio.Socket, link: _Link, kind: _SocketKind, now: float
     ) -> list[SubscriberItem]:
         out: list[SubscriberItem] = []
         for _ in range(_READ_BUDGET):
@@ -995,17 +1279,27 @@ class ZmqSubscriber(Subscriber):
                 raise TransportError(f"{link.spec.endpoint}: cannot receive: {exc}") from exc
             stream: PublisherStream | None = link.primary
             try:
-                if is_dealer:
+                if kind == "replay":
                     reply = parse_replay_reply(frames)
                     stream = link.route_reply(reply)
                     if stream is not None:
-                        out.extend(stream.on_replay(reply, now))
+                        out.extend(self._delivered(stream, stream.on_replay(reply, now)))
+                elif kind == "snapshot":
+                    if stream is not None:
+                        out.extend(
+                            self._delivered(
+                                stream, stream.on_snapshot(parse_snapshot_message(frames), now)
+                            )
+                        )
+                elif frames and frames[0] == HEARTBEAT_TOPIC:
+                    stream = None
+                    self._on_heartbeat(link, frames, now, out)
                 else:
                     live = parse_live(frames)
                     stream, fresh = link.stream_for(live.topic, live.payload, now)
                     if fresh:
                         out.extend(stream.start(link.spec.from_seq, now))
-                    out.extend(stream.on_live(live.seq, live.payload, now))
+                    out.extend(self._delivered(stream, stream.on_live(live.seq, live.payload, now)))
             except DecodeError as exc:
                 if stream is not None:
                     stream.on_malformed(str(exc))
@@ -1020,9 +1314,43 @@ class ZmqSubscriber(Subscriber):
                         )
                 continue
             self._fan_in_burst = False
-            if stream is not None and (stream.requests or stream.reset_dealer):
+            if stream is not None and (
+                stream.requests or stream.reset_dealer or stream.snapshot_wanted
+            ):
                 break  # let the loop send the next replay request first
         return out
+
+
+def _new_dealer(
+    ctx: zmq.asyncio.Context,
+    poller: zmq.asyncio.Poller,
+    by_socket: dict[zmq.asyncio.Socket, tuple[_Link, _SocketKind]],
+    link: _Link,
+    old: zmq.asyncio.Socket | None,
+    endpoint: str,
+    kind: _SocketKind,
+    max_message_bytes: int,
+) -> zmq.asyncio.Socket:
+    """A DEALER connected to `endpoint` and polled as `kind`, in place of `old`.
+
+    A reply over `max_message_bytes` drops the DEALER's connection (libzmq's
+    MAXMSGSIZE); the request then times out and a new DEALER asks again.
+    """
+    if old is not None:
+        poller.unregister(old)
+        by_socket.pop(old, None)
+        old.close(linger=0)
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        dealer.connect(endpoint)
+    except zmq.ZMQError as exc:
+        dealer.close(linger=0)
+        raise TransportError(f"ZMQ subscriber: cannot connect {endpoint}: {exc}") from exc
+    poller.register(dealer, zmq.POLLIN)
+    by_socket[dealer] = (link, kind)
+    return dealer
 
 
 # -- URL factory (kvstream.config's _SUBSCRIBERS) ---------------------------------------------
@@ -1032,6 +1360,7 @@ def subscriber_from_url(parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]
     """`zmq+tcp://HOST:PORT?replay=tcp://HOST:PORT2&origin=NAME&topic=...&from_seq=N`."""
     endpoint = endpoint_from_parts(parsed.scheme, parsed.address, parsed.path, parsed.raw)
     replay = opts.pop_str("replay")
+    snapshot = opts.pop_str("snapshot")
     bind = opts.pop_bool("bind") if "bind" in opts else None
     origin = opts.pop_str("origin")
     from_seq: Any = kwargs.pop("from_seq", None)
@@ -1047,6 +1376,9 @@ def subscriber_from_url(parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]
         from_seq=opts.pop_int("from_seq", from_seq),
         bind=bind,
         join=opts.pop_choice("join", JOINS, "start"),  # type: ignore[arg-type]
+        snapshot_endpoint=None
+        if snapshot is None
+        else normalize_endpoint(snapshot, f"{parsed.raw}: snapshot"),
     )
     kwargs.pop("follow", None)  # a live stream is always followed
     codec = None
@@ -1064,5 +1396,6 @@ def subscriber_from_url(parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]
         or DEFAULT_MAX_REORDER,
         hwm=opts.pop_int("hwm", DEFAULT_HWM, minimum=0) or 0,
         max_message_bytes=opts.pop_size("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES),
+        heartbeats=opts.pop_bool("heartbeats", bool(kwargs.pop("heartbeats", False))),
         **kwargs,
     )

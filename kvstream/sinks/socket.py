@@ -77,11 +77,13 @@ from kvstream.sinks.socket_fanout import (
 )
 from kvstream.sinks.socket_listen import bind_unix, host_port, peer_name, read_hello
 from kvstream.sinks.socket_subscription import Subscription
+from kvstream.wire.broker import Heartbeat, Heartbeats
 from kvstream.wire.socket_protocol import (
     MAX_HELLO_BYTES,
     ProtocolError,
     control_message,
     error_line,
+    heartbeat_message,
     parse_hello,
     token_matches,
 )
@@ -187,10 +189,15 @@ class SocketSink(Sink):
         hello_timeout: float = 10.0,
         snapshot_timeout: float = 5.0,
         snapshot_provider: SnapshotProvider | None = None,
+        heartbeat: float | None = None,
         **options: Any,
     ) -> None:
         if (path is None) == (port is None):
             raise ConfigError("SocketSink: give port (TCP) or path (Unix socket), exactly one")
+        if heartbeat is not None and not (
+            isinstance(heartbeat, int | float) and 0 < heartbeat < float("inf")
+        ):
+            raise ConfigError(f"SocketSink.heartbeat: expected seconds > 0, got {heartbeat!r}")
         if path is not None and host is not None:
             raise ConfigError("SocketSink: host is for TCP; a Unix socket takes only path")
         if port is not None and (type(port) is not int or not 0 <= port <= 65535):
@@ -278,6 +285,13 @@ class SocketSink(Sink):
         self._refused = 0
         self._snapshots_sent = 0
         self._hellos_evicted = 0
+        #: Heartbeats of idle origins to every subscriber (opt-in), see `heartbeat_message`.
+        self.heartbeat = None if heartbeat is None else float(heartbeat)
+        self._heartbeats: Heartbeats | None = None
+        if heartbeat is not None:
+            self._heartbeats = Heartbeats(
+                float(heartbeat), self.name, self._beat, clock=anyio.current_time
+            )
 
     # -- wiring ------------------------------------------------------------------
 
@@ -407,17 +421,44 @@ class SocketSink(Sink):
 
     async def send(self, data: bytes, batch: EventBatch) -> None:
         self._fanout.publish(data, batch)
+        if self._heartbeats is not None:
+            self._heartbeats.delivered(batch)
 
     def send_nowait(self, data: bytes, batch: EventBatch) -> bool:
         # Publishing appends to the ring and wakes subscribers' writers: it never
         # waits, so the tick does it and the sink's own writer task stays asleep.
         self._fanout.publish(data, batch)
+        if self._heartbeats is not None:
+            self._heartbeats.delivered(batch)
         return True
 
     async def send_many(self, items: Sequence[tuple[bytes, EventBatch]]) -> None:
         publish = self._fanout.publish
         for data, batch in items:
             publish(data, batch)
+            if self._heartbeats is not None:
+                self._heartbeats.delivered(batch)
+
+    # -- heartbeats ----------------------------------------------------------------------
+
+    def start_tasks(self, tg: TaskGroup) -> None:
+        if self._heartbeats is not None:
+            tg.start_soon(self._heartbeats.run, name=f"kvstream {self.name} heartbeats")
+
+    async def _beat(self, heartbeat: Heartbeat) -> None:
+        """Queue the heartbeat to every subscriber, ahead of batches (a control message)."""
+        fanout = self._fanout
+        if not fanout.subscriptions:
+            return
+        message = control_message(heartbeat_message(heartbeat), fanout.framing)
+        for sub in fanout.subscriptions:
+            if not sub.gone:
+                sub.control.append(message)
+                sub.wake()
+
+    @property
+    def heartbeats_sent(self) -> int:
+        return 0 if self._heartbeats is None else self._heartbeats.sent
 
     # -- the listener's side -----------------------------------------------------------
 
@@ -676,6 +717,7 @@ def sink_from_url(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> S
         ),
         "hello_timeout": opts.pop_float("hello_timeout", 10.0),
         "snapshot_timeout": opts.pop_float("snapshot_timeout", 5.0),
+        "heartbeat": opts.pop_float("heartbeat"),
     }
     if parsed.scheme == "unix":
         if not parsed.path:

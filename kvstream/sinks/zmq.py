@@ -32,6 +32,12 @@ chance:
   events strict consumers would reject are left out of the batch where they
   enter this sink, each counted and logged with its reason; the batch itself
   (and its `seq`) is always sent.
+* **Recovery (opt-in, kvstream's extension).** With `snapshot_endpoint`
+  the sink keeps the state of what it published and serves snapshots of it
+  on a ROUTER of its own (`kvstream.sinks.zmq_snapshots`); with
+  `heartbeat` every origin silent for that long is announced (epoch, last
+  seq) under the topic `\x00kvstream.heartbeat`. The live frames are the same
+  with and without them (`kvstream.wire.zmq_recovery`, `docs/vllm-wire.md`).
 
 Bind or connect follows vLLM's rule (bind for `*`, `::`, ipc and inproc;
 otherwise connect, so a central consumer can bind); `bind=` overrides it.
@@ -61,6 +67,9 @@ from kvstream.sinks.base import Sink
 from kvstream.sinks.burst_log import BurstLog
 from kvstream.sinks.encoding import held_bytes
 from kvstream.sinks.replay_ring import ReplayRing
+from kvstream.sinks.zmq_snapshots import SnapshotServer, SnapshotServerStatistics
+from kvstream.state import DEFAULT_MAX_BYTES
+from kvstream.wire.broker import Heartbeat, Heartbeats
 from kvstream.wire.vllm_zmq import (
     DEFAULT_BUFFER_STEPS,
     DEFAULT_HWM,
@@ -78,6 +87,7 @@ from kvstream.wire.vllm_zmq import (
     replay_reply,
     should_bind,
 )
+from kvstream.wire.zmq_recovery import heartbeat_frames
 
 try:
     import zmq
@@ -179,6 +189,9 @@ class ZmqSink(Sink):
     dropped); `replay_timeout`: how long a reply may stay stalled before it is
     abandoned; `replay_layout`: `"topic"` (vLLM v0.26+) or `"legacy"` (no
     topic frame). `linger`: seconds queued messages get to leave at close.
+    `snapshot_endpoint`: where snapshots are served (always bound; None: no
+    state is kept); `snapshot_max_bytes`: the state keeper's bound.
+    `heartbeat`: seconds between heartbeats of idle origins (None: none).
     The codec defaults to `MsgpackCodec` (map profile); `policy`,
     `max_bytes` and the other options are the base class's.
     """
@@ -199,6 +212,9 @@ class ZmqSink(Sink):
         replay_hwm: int = DEFAULT_REPLAY_HWM,
         max_replay_clients: int = DEFAULT_MAX_REPLAY_CLIENTS,
         linger: float = 1.0,
+        snapshot_endpoint: str | None = None,
+        snapshot_max_bytes: int = DEFAULT_MAX_BYTES,
+        heartbeat: float | None = None,
         context: zmq.Context[Any] | None = None,
         **options: Any,
     ) -> None:
@@ -217,6 +233,8 @@ class ZmqSink(Sink):
         endpoint = normalize_endpoint(endpoint, "ZmqSink: endpoint")
         if replay_endpoint is not None:
             replay_endpoint = normalize_endpoint(replay_endpoint, "ZmqSink: replay_endpoint")
+        if snapshot_endpoint is not None:
+            snapshot_endpoint = normalize_endpoint(snapshot_endpoint, "ZmqSink: snapshot_endpoint")
         options.setdefault("codec", MsgpackCodec())
         options.setdefault("name", f"zmq:{endpoint}")
         super().__init__(**options)
@@ -237,6 +255,7 @@ class ZmqSink(Sink):
             ("replay_max_bytes", replay_max_bytes, 1),
             ("max_replay_clients", max_replay_clients, 1),
             ("replay_hwm", replay_hwm, 0),
+            ("snapshot_max_bytes", snapshot_max_bytes, 1),
         ):
             if type(value) is not int or value < minimum:
                 raise ConfigError(f"ZmqSink: {key}: expected an int >= {minimum}, got {value!r}")
@@ -248,6 +267,10 @@ class ZmqSink(Sink):
         for key, seconds in (("replay_timeout", replay_timeout), ("linger", linger)):
             if not (isinstance(seconds, int | float) and seconds >= 0 and math.isfinite(seconds)):
                 raise ConfigError(f"ZmqSink: {key}: expected seconds >= 0, got {seconds!r}")
+        if heartbeat is not None and not (
+            isinstance(heartbeat, int | float) and heartbeat > 0 and math.isfinite(heartbeat)
+        ):
+            raise ConfigError(f"ZmqSink: heartbeat: expected seconds > 0, got {heartbeat!r}")
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
@@ -289,6 +312,25 @@ class ZmqSink(Sink):
         self._replays_abandoned = 0
         self._replay_sent = 0
         self._replay_waits = 0
+        # recovery (opt-in): None when off, so the tick pays one `is None` test
+        self.snapshot_endpoint = snapshot_endpoint
+        self._snap_router: zmq.Socket[bytes] | None = None
+        self._snapshots: SnapshotServer | None = None
+        if snapshot_endpoint is not None:
+            self._snapshots = SnapshotServer(
+                self.name,
+                codec=self.codec,
+                origin_of=self._origin_of,
+                max_bytes=snapshot_max_bytes,
+                timeout=self.replay_timeout,
+            )
+        self.heartbeat = None if heartbeat is None else float(heartbeat)
+        self._heartbeats: Heartbeats | None = None
+        if heartbeat is not None:
+            self._heartbeats = Heartbeats(
+                float(heartbeat), self.name, self._beat, clock=anyio.current_time
+            )
+        self._heartbeats_skipped = 0
 
     @property
     def per_origin_topics(self) -> bool:
@@ -340,12 +382,13 @@ class ZmqSink(Sink):
             self._pub = pub
             self.endpoint = _attach(pub, self.endpoint, self.bind, "endpoint")
             if self.replay_endpoint is not None:
-                router = ctx.socket(zmq.ROUTER)
-                router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                router.setsockopt(zmq.LINGER, 0)
-                router.setsockopt(zmq.SNDHWM, self.replay_hwm)
-                self._router = router
+                router = self._router = _paced_router(ctx, self.replay_hwm)
                 self.replay_endpoint = _attach(router, self.replay_endpoint, True, "replay")
+            if self._snapshots is not None:
+                assert self.snapshot_endpoint is not None
+                snap = self._snap_router = _paced_router(ctx, self.replay_hwm)
+                self.snapshot_endpoint = _attach(snap, self.snapshot_endpoint, True, "snapshot")
+                self._snapshots.endpoint = self.snapshot_endpoint
         except BaseException:
             self._close_sockets()
             if self._own_ctx:
@@ -358,6 +401,12 @@ class ZmqSink(Sink):
         if self._router is not None:
             tg.start_soon(self._serve_replay, name=f"kvstream {self.name} replay requests")
             tg.start_soon(self._pump_replies, name=f"kvstream {self.name} replay replies")
+        if self._snapshots is not None and self._snap_router is not None:
+            tg.start_soon(
+                self._snapshots.serve, self._snap_router, name=f"kvstream {self.name} snapshots"
+            )
+        if self._heartbeats is not None:
+            tg.start_soon(self._heartbeats.run, name=f"kvstream {self.name} heartbeats")
 
     async def aclose(self) -> None:
         try:
@@ -372,10 +421,10 @@ class ZmqSink(Sink):
                     await anyio.to_thread.run_sync(ctx.term)
 
     def _close_sockets(self) -> None:
-        for sock in (self._pub, self._router):
+        for sock in (self._pub, self._router, self._snap_router):
             if sock is not None and not sock.closed:
                 sock.close()
-        self._pub = self._router = None
+        self._pub = self._router = self._snap_router = None
 
     # -- publishing ---------------------------------------------------------------------
 
@@ -444,8 +493,7 @@ class ZmqSink(Sink):
             send(pub, seq_frame, _MORE_NOW)
             send(pub, data, _NOW)
         # Sent or discarded, the batch enters the ring: a consumer that sees the gap replays it.
-        if self._router is not None:
-            self._ring.push((seq, topic, seq_frame, data), held_bytes(len(data)) + _ENTRY_OVERHEAD)
+        self._keep(batch, topic, seq_frame, data)
         return True
 
     async def send(self, data: bytes, batch: EventBatch) -> None:
@@ -475,13 +523,46 @@ class ZmqSink(Sink):
             except zmq.ZMQError as exc:
                 raise TransportError(f"{self.name}: cannot publish: {exc}") from exc
             break
-        self._keep(batch.seq, topic, seq_frame, data)
+        self._keep(batch, topic, seq_frame, data)
 
-    def _keep(self, seq: int, topic: bytes, seq_frame: bytes, data: bytes) -> None:
-        """Keep a published batch in the replay ring (when replay is on)."""
+    def _keep(self, batch: EventBatch, topic: bytes, seq_frame: bytes, data: bytes) -> None:
+        """Keep a published batch in the replay ring and for snapshots and heartbeats
+        (each when it is on)."""
         if self._router is not None:
             cost = held_bytes(len(data)) + _ENTRY_OVERHEAD
-            self._ring.push((seq, topic, seq_frame, data), cost)
+            self._ring.push((batch.seq, topic, seq_frame, data), cost)
+        if self._snapshots is not None:
+            self._snapshots.pending.append(batch)
+        if self._heartbeats is not None:
+            self._heartbeats.delivered(batch)
+
+    # -- recovery (snapshots, heartbeats) -----------------------------------------------
+
+    def _origin_of(self, topic: bytes) -> str | None:
+        """The origin whose stream has `topic` (the last one, should two share it)."""
+        found = None
+        for origin, known in self._topics.items():
+            if known == topic:
+                found = origin
+        return found
+
+    async def _beat(self, heartbeat: Heartbeat) -> None:
+        pub = self._pub
+        topic = self._topics.get(heartbeat.origin)
+        if pub is None or topic is None:
+            return
+        try:
+            _send_now(pub, heartbeat_frames(topic, heartbeat))
+        except zmq.Again:  # a full pipe: batches are waiting there, signs of life enough
+            self._heartbeats_skipped += 1
+
+    def snapshot_statistics(self) -> SnapshotServerStatistics | None:
+        """The snapshot endpoint's counters (None when it is off)."""
+        return None if self._snapshots is None else self._snapshots.statistics()
+
+    @property
+    def heartbeats_sent(self) -> int:
+        return 0 if self._heartbeats is None else self._heartbeats.sent
 
     # -- subscriptions ------------------------------------------------------------------
 
@@ -708,6 +789,15 @@ def _send_now(sock: zmq.Socket[bytes], frames: list[bytes], *, copy: bool = True
             send(sock, frame, flags, False)
 
 
+def _paced_router(ctx: zmq.Context[zmq.Socket[bytes]], hwm: int) -> zmq.Socket[bytes]:
+    """A ROUTER whose sends to a full pipe answer EAGAIN (never dropped), `hwm` per client."""
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.SNDHWM, hwm)
+    return router
+
+
 def _attach(sock: zmq.Socket[bytes], endpoint: str, bind: bool, what: str) -> str:
     """Bind or connect `sock`; returns the endpoint actually bound (ports resolved)."""
     try:
@@ -742,6 +832,13 @@ def sink_from_url(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> S
         "replay_timeout": opts.pop_float("replay_timeout", 30.0),
         "replay_hwm": opts.pop_int("replay_hwm", DEFAULT_REPLAY_HWM, minimum=0),
     }
+    snapshot = opts.pop_str("snapshot")
+    if snapshot is not None:
+        kwargs["snapshot_endpoint"] = normalize_endpoint(snapshot, f"{parsed.raw}: snapshot")
+    kwargs["snapshot_max_bytes"] = opts.pop_size("snapshot_max_bytes", DEFAULT_MAX_BYTES)
+    heartbeat = opts.pop_float("heartbeat")
+    if heartbeat is not None:
+        kwargs["heartbeat"] = heartbeat
     if "bind" in opts:
         kwargs["bind"] = opts.pop_bool("bind")
     if "codec" not in common:

@@ -486,14 +486,18 @@ class SnapshotInfo(NamedTuple):
 
 
 def snapshot_parts(
-    snapshot: Snapshot, events: Iterable[KVCacheEvent] | None = None
+    snapshot: Snapshot,
+    events: Iterable[KVCacheEvent] | None = None,
+    codec: Codec | None = None,
 ) -> Iterator[bytes]:
     """The snapshot's events (`events`, else `snapshot.events`) in slices of about
     `SNAPSHOT_PART_BLOCKS` blocks, each slice encoded as the batch
-    `resume_seq - 1`. A generator, so that a caller can let other tasks run
-    between parts (and `events` can be made as they are encoded).
+    `resume_seq - 1` by `codec` (the JSON codec by default). A generator, so
+    that a caller can let other tasks run between parts (and `events` can be
+    made as they are encoded).
     """
-    codec = JsonCodec()
+    if codec is None:
+        codec = JsonCodec()
     seq = snapshot.resume_seq - 1
     chunk: list[KVCacheEvent] = []
     blocks = 0
@@ -616,8 +620,18 @@ class Heartbeat(NamedTuple):
     def from_json(cls, data: bytes | str) -> Heartbeat:
         try:
             obj = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise DecodeError(f"not a heartbeat: {exc}") from None
+        if not isinstance(obj, dict):
+            raise DecodeError(f"not a heartbeat: expected a JSON object, got {obj!r:.60}")
+        return cls.from_mapping(obj)
+
+    @classmethod
+    def from_mapping(cls, obj: Mapping[str, Any]) -> Heartbeat:
+        """A heartbeat of exactly these fields, each of its type; `DecodeError` otherwise."""
+        try:
             hb = cls(**obj)
-        except (orjson.JSONDecodeError, TypeError) as exc:
+        except TypeError as exc:
             raise DecodeError(f"not a heartbeat: {exc}") from None
         if not (
             type(hb.origin) is str
@@ -736,9 +750,12 @@ class Heartbeats:
     delivered no batch for that long is announced with `beat(heartbeat)`.
 
     Heartbeats start with an origin's first delivered batch (before it, the sink
-    does not know the origin's epoch). `run()` is a task of the sink's (started
-    by `Sink.start_tasks`, cancelled when the sink closes); a failed beat is
-    logged at debug level and the next one is tried.
+    does not know the origin's epoch). The first beat after an origin's epoch
+    changed is sent even when batches are flowing, so a reader learns a restart
+    within one interval (on vLLM's ZMQ wire the batches do not carry the epoch).
+    `run()` is a task of the sink's (started by `Sink.start_tasks`, cancelled
+    when the sink closes); a failed beat is logged at debug level and the next
+    one is tried.
     """
 
     def __init__(
@@ -754,6 +771,8 @@ class Heartbeats:
         self._beat = beat
         self._clock = clock
         self._last: dict[str, tuple[str, int, float]] = {}
+        #: The epoch each origin was last announced with.
+        self._announced: dict[str, str] = {}
         self._beats = 0
         #: Heartbeats sent.
         self.sent = 0
@@ -767,8 +786,9 @@ class Heartbeats:
             await anyio.sleep(self.interval)
             now = self._clock()
             for origin, (epoch, seq, when) in list(self._last.items()):
-                if now - when < self.interval * 0.5:
+                if now - when < self.interval * 0.5 and self._announced.get(origin) == epoch:
                     continue  # a recent batch was the sign of life (silence stays <= 1.5 x)
+                self._announced[origin] = epoch
                 self._beats += 1
                 try:
                     await self._beat(Heartbeat(origin, epoch, seq, self.interval, self._beats))

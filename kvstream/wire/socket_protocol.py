@@ -68,6 +68,9 @@ Control messages:
                                         events are the payload, as the codec's batch
     {"type": "end", "reason": "sink closed"}
     {"type": "error", "code": "unauthorized", "message": "..."}    then the sink closes
+    {"type": "heartbeat", "origin": O, "epoch": E, "last_seq": 41, "interval": 5.0,
+     "beat": 7}                         O is idle, not gone (sinks with `heartbeat=`;
+                                        `last_seq`, not `seq`: it is no batch)
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ from kvstream.codecs.base import Codec
 from kvstream.codecs.json import JsonCodec, json_default
 from kvstream.errors import ConfigError, DecodeError, shorten
 from kvstream.events import EventBatch, KVCacheEvent
+from kvstream.wire.broker import Heartbeat
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -109,7 +113,9 @@ __all__ = [
     "encode_hello",
     "error_line",
     "framing_of",
+    "heartbeat_message",
     "message_size",
+    "parse_heartbeat",
     "parse_hello",
     "parse_welcome",
     "snapshot_messages",
@@ -458,6 +464,25 @@ def control_message(obj: Mapping[str, Any], framing: str) -> bytes:
     if framing == "lines":
         return orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE)
     return _frame(obj)
+
+
+def heartbeat_message(heartbeat: Heartbeat) -> dict[str, Any]:
+    """The fields of a `heartbeat` control message (`last_seq`: a `seq` key is a batch's)."""
+    return {
+        "type": "heartbeat",
+        "origin": heartbeat.origin,
+        "epoch": heartbeat.epoch,
+        "last_seq": heartbeat.seq,
+        "interval": heartbeat.interval,
+        "beat": heartbeat.beat,
+    }
+
+
+def parse_heartbeat(fields: Mapping[str, Any]) -> Heartbeat:
+    """A `heartbeat` control message's `Heartbeat`; `DecodeError` naming what is wrong."""
+    obj = {k: v for k, v in fields.items() if k not in ("type", "last_seq")}
+    obj["seq"] = fields.get("last_seq")
+    return Heartbeat.from_mapping(obj)
 
 
 def snapshot_messages(

@@ -57,8 +57,10 @@ async def test_space_that_partly_returns_takes_the_whole_batches_that_fit(
         # the all-or-nothing retry of everything waiting wrote none of them.
         await wait_until(lambda: _lines(path) >= on_disk + 16)
         st = sink.statistics()
-        assert not st.healthy  # still more to write than fits
-        assert st.queued_batches < held
+        # Still more to write than fits. (Not `healthy`: the hop in flight when room
+        # returned may have gone out whole, marking the sink healthy until the next
+        # hop meets the full disk again.)
+        assert st.batches_out < st.batches_in
         # Whole lines only: every line in the file decodes, none was torn.
         assert path.read_bytes().endswith(b"\n")
         JsonCodec().decode_lines(path.read_bytes())

@@ -147,6 +147,26 @@ async def test_idle_connections_make_room_instead_of_locking_the_server_out() ->
                 await stream.aclose()
 
 
+async def test_the_connection_idle_the_longest_makes_room_not_the_oldest() -> None:
+    # `old` connected first but was just answered; `silent` connected after it and
+    # never spoke. A newcomer takes the silent one's place, and `old` goes on.
+    limits = HttpLimits(max_connections=2)
+    async with (
+        HttpServer(_echo, port=0, limits=limits) as server,
+        await anyio.connect_tcp("127.0.0.1", server.port) as old,
+    ):
+        await wait_until(lambda: server.statistics().connections_open == 1)
+        async with await anyio.connect_tcp("127.0.0.1", server.port) as silent:
+            await wait_until(lambda: server.statistics().connections_open == 2)
+            await old.send(_get("/first"))
+            assert await _read_response(old) == (200, b"GET /first 0")
+            assert await _exchange(server.port, _get("/new")) == (200, b"GET /new 0")
+            assert server.statistics().connections_evicted == 1
+            assert await _read_response(silent) == (0, b"")  # it was the one closed
+            await old.send(_get("/again"))
+            assert await _read_response(old) == (200, b"GET /again 0")
+
+
 async def test_a_new_connection_is_refused_when_every_slot_is_mid_request() -> None:
     limits = HttpLimits(max_connections=2, head_timeout=5.0)
     async with HttpServer(_echo, port=0, limits=limits) as server:

@@ -355,8 +355,15 @@ class HttpServer:
         limits = self.limits
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.head_bytes)
         while True:
-            # Idle: waiting for the first byte of the next request (evictable).
+            # Idle: waiting for the first byte of the next request (evictable). The
+            # slot goes to the end of the order: the first idle one in it is the one
+            # idle the longest, not the oldest connection (which may just have been
+            # answered, while a newcomer's request is still on its way).
             slot.idle = True
+            slots = self._slots
+            if slot in slots:
+                del slots[slot]
+                slots[slot] = None
             first: bytes = b""
             if conn.trailing_data[0] == b"":
                 with anyio.move_on_after(limits.idle_timeout) as idle:

@@ -314,3 +314,15 @@ def test_a_long_prompt_that_misses_is_answered_from_its_first_block() -> None:
     salted = vllm_extra_keys(len(long), B, cache_salt="s")
     index.apply(_batch(1, [_stored(list(range(50, 90)), long, extra_keys=salted)]))
     assert index.match(long, extra_keys=salted)[0].blocks == 40
+
+
+def test_a_heartbeat_for_an_origin_keeps_every_rank_of_it() -> None:
+    clock = Clock()
+    index = PrefixIndex(block_size=B, ttl=10.0, clock=clock)
+    for rank in (0, 1):
+        index.apply(_batch(0, [_stored([1], T[:4])], origin="dp", rank=rank))
+    clock.now += 6.0
+    assert index.heartbeat("dp", ...)
+    clock.now += 6.0
+    assert index.expire() == []  # both ranks were marked alive 6 s ago
+    assert not index.heartbeat("nobody", ...)

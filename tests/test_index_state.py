@@ -316,3 +316,52 @@ async def test_http_binary_body_and_engine_hash_queries(no_leaked_tasks: None) -
         status, _, body = await _http(server.port, _post(query))
         assert status == 400
         assert "true" in body["error"]
+
+
+_IDLE_PUBLISHER = """
+import sys, anyio
+from kvstream import BlockStored, Scheduler
+from kvstream.sinks.zmq import ZmqSink
+
+async def main():
+    sink = ZmqSink(sys.argv[1], bind=True, heartbeat=0.1, linger=0)
+    async with Scheduler(sinks=[sink], origin="engine-0") as s:
+        await sink.wait_subscribed()
+        await anyio.sleep(0.3)
+        s.emit(BlockStored(block_hashes=[1, 2, 3], parent_block_hash=None,
+                           token_ids=list(range(100, 112)), block_size=4))
+        await s.tick()
+        await anyio.sleep(60)  # idle from now on: heartbeats only
+
+anyio.run(main)
+"""
+
+
+def test_cli_heartbeats_keep_an_idle_engine_alive_under_ttl() -> None:
+    # The engine publishes once, then only heartbeats; --ttl 1 would expire it after a
+    # second of silence, but `kvstream index` counts its heartbeats as signs of life.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    publisher = subprocess.Popen([sys.executable, "-c", _IDLE_PUBLISHER, endpoint])
+    tokens = list(range(100, 112))
+    try:
+        url = f"zmq+{endpoint}?heartbeats=true"
+        proc, http_port = _start([url, "--block-size", str(B), "--ttl", "1"])
+        try:
+            assert len(_matches(http_port, tokens, 1)) == 1
+            anyio.run(anyio.sleep, 2.5)  # two and a half ttls of silence, heartbeats only
+            status, _, body = anyio.run(
+                _http, http_port, _post(orjson.dumps({"token_ids": tokens}))
+            )
+            assert status == 200
+            assert [m["blocks"] for m in body["matches"]] == [3]
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=30)
+    finally:
+        publisher.kill()
+        publisher.wait()

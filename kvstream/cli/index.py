@@ -211,6 +211,18 @@ async def run(args: argparse.Namespace) -> int:
                         await aclose()
             print("kvstream index: the stream ended; still serving", file=sys.stderr)
 
+        async def keep_alive() -> None:
+            """Publishers heard from (their heartbeats, with `?heartbeats=true`) keep
+            their streams alive under --ttl while idle; one gone stops, and expires."""
+            liveness = getattr(subscriber, "liveness", None)
+            if liveness is None or args.ttl is None:
+                return
+            while True:
+                await anyio.sleep(min(args.ttl / 4, 1.0))
+                for origin, heard in liveness().items():
+                    if heard.alive and heard.interval is not None:
+                        index.heartbeat(origin, ...)
+
         async def save_periodically() -> None:
             assert state_path is not None
             while True:
@@ -223,6 +235,7 @@ async def run(args: argparse.Namespace) -> int:
 
         tg.start_soon(watch_signals)
         tg.start_soon(follow)
+        tg.start_soon(keep_alive)
         if state_path is not None:
             tg.start_soon(save_periodically)
     if state_path is not None:

@@ -534,13 +534,21 @@ class PrefixIndex:
                 end = first
         return result
 
-    def heartbeat(self, origin: str, data_parallel_rank: int | None = None) -> bool:
-        """Mark a stream alive now (for `ttl`), as a batch would. False if unknown."""
-        state = self._streams.get((origin, data_parallel_rank))
-        if state is None:
-            return False
-        state.last_seen = self._clock()
-        return True
+    def heartbeat(self, origin: str, data_parallel_rank: int | EllipsisType | None = None) -> bool:
+        """Mark a stream alive now (for `ttl`), as a batch would. False if unknown.
+
+        `data_parallel_rank=...` marks every rank of `origin` (a publisher's
+        heartbeat names its origin, not a rank).
+        """
+        now = self._clock()
+        if data_parallel_rank is ...:
+            states = [st for key, st in self._streams.items() if key[0] == origin]
+        else:
+            one = self._streams.get((origin, data_parallel_rank))
+            states = [] if one is None else [one]
+        for state in states:
+            state.last_seen = now
+        return bool(states)
 
     def expire(self, now: float | None = None) -> list[StreamKey]:
         """Drop every stream idle for more than `ttl` seconds; return their keys.

@@ -441,12 +441,19 @@ class BlockStored(KVCacheEvent, kw_only=True, frozen=True, gc=False):
             or self.kv_cache_spec_sliding_window is not None
             or self.locality is not None
         ):
-            if self.extra_keys is not None:
-                force_setattr(
-                    self, "extra_keys", _checked_extra_keys(name, self.extra_keys, len(hashes))
-                )
-            _opt_int(name, "group_idx", self.group_idx, minimum=0)
-            _opt_str(name, "kv_cache_spec_kind", self.kv_cache_spec_kind)
+            # vLLM sets these on every event (extra_keys all None, group 0, a kind):
+            # the common values are checked inline, anything else in full.
+            extra = self.extra_keys
+            if extra is not None and not (
+                type(extra) is list and len(extra) == len(hashes) == extra.count(None)
+            ):
+                force_setattr(self, "extra_keys", _checked_extra_keys(name, extra, len(hashes)))
+            group = self.group_idx
+            if group is not None and (type(group) is not int or not 0 <= group < _HASH_LIMIT):
+                _opt_int(name, "group_idx", group, minimum=0)
+            kind = self.kv_cache_spec_kind
+            if kind is not None and (type(kind) is not str or not kind.isascii()):
+                _opt_str(name, "kv_cache_spec_kind", kind)
             _opt_int(name, "kv_cache_spec_sliding_window", self.kv_cache_spec_sliding_window)
             _opt_str(name, "locality", self.locality)
         if self.metadata is not None:

@@ -117,6 +117,10 @@ class _DropIn:
         self._target = self.sink.statistics().events_out + events
 
     def wait_sent(self) -> None:
+        # Wait without polling while steps are queued (the baseline waits on an Event
+        # too): flush() returns once the loop has worked through every step, each
+        # written inline or queued; then poll for what a full pipe left queued.
+        self.pub._runner.handle.flush(120.0)
         deadline = time.monotonic() + 120.0
         stats = self.sink.statistics
         while stats().events_out < self._target:

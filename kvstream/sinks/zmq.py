@@ -619,14 +619,10 @@ class ZmqSink(Sink):
             self._replay_requests += 1
             replies = self._replies
             if identity not in replies and len(replies) >= self.max_replay_clients:
-                # A client stalled for a quarter of replay_timeout gives way: it
-                # stopped reading, and would be given up at replay_timeout anyway.
-                since = anyio.current_time() - self.replay_timeout / 4
-                stalled = [
-                    r
-                    for r in replies.values()
-                    if r.stalled_since is not None and r.stalled_since <= since
-                ]
+                # A client whose pipe is full (it is not reading now) gives way, the
+                # one stalled longest first: clients that never read cannot hold
+                # every slot against one that does.
+                stalled = [r for r in replies.values() if r.stalled_since is not None]
                 if stalled:
                     oldest = min(stalled, key=lambda r: r.stalled_since or 0.0)
                     self._abandon(oldest, "stalled, displaced by a new replay request")

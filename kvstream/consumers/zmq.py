@@ -496,10 +496,20 @@ class PublisherStream:
         """The publisher's heartbeat: a restart while idle, or batches missed at the tail."""
         self.heartbeats += 1
         out: list[SubscriberItem] = []
-        known, self.publisher_epoch = self.publisher_epoch, hb.epoch
-        if known is not None and known != hb.epoch and not self.snapshotting:
+        known = self.publisher_epoch
+        expected = self.expected
+        # A publisher whose epoch is not known yet (it restarted before it was idle
+        # long enough to heartbeat) tells a restart by its last seq: behind what this
+        # stream already delivered, it cannot be the publisher that sent those.
+        behind = known is None and expected is not None and hb.seq + 1 < expected
+        if (known is not None and known != hb.epoch) or behind:
+            if self.snapshotting:
+                # A restart while a snapshot is in flight: decided once it ends. The
+                # epoch is not taken yet, so the next heartbeat tells the restart again.
+                return out
             out.extend(self._restart(-1))
             self.epoch = hb.epoch
+        self.publisher_epoch = hb.epoch
         expected = self.expected
         if (
             hb.seq >= 0

@@ -344,6 +344,10 @@ def from_vllm_event(event: object) -> KVCacheEvent:
 
 # -- vLLM's own structs, straight to vLLM's wire ---------------------------------------------
 
+#: How long the publisher's loop, out of work, still looks for steps by itself:
+#: an engine stepping faster hands its steps over without a wake-up each.
+DEFAULT_IDLE_POLL: Final = 0.005
+
 #: How much of a step of vLLM's structs is checked before it goes out as it is.
 StepCheck = Literal["sample", "all"]
 _STEP_CHECKS: Final = ("sample", "all")
@@ -601,7 +605,11 @@ class EventPublisher:
     default, 0). `max_queue_size` bounds the steps queued between the engine
     and the pipeline (vLLM's `max_queue_size`). `check`: `"sample"` or
     `"all"`, how much of a step of vLLM's own structs is checked before it
-    goes out on vLLM's wire as it is (see the module doc).
+    goes out on vLLM's wire as it is (see the module doc). `idle_poll`: for
+    how long (seconds) the loop, out of work, still looks for steps by itself,
+    so that an engine stepping faster than that hands a step over without waking
+    it (see [`ThreadsafeHandle.step()`][kvstream.threadsafe.ThreadsafeHandle.step];
+    0 wakes it for every step after idle).
     """
 
     def __init__(
@@ -613,6 +621,7 @@ class EventPublisher:
         close_timeout: float = 5.0,
         max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
         check: StepCheck = "sample",
+        idle_poll: float = DEFAULT_IDLE_POLL,
         config: object = None,
     ) -> None:
         from kvstream.config import open_sink
@@ -648,6 +657,7 @@ class EventPublisher:
             name=f"kvstream publisher {self.scheduler.origin}",
             max_pending=max_queue_size,
             convert=self._converter,
+            idle_poll=idle_poll,
         )
         self._step = self._runner.handle.step
         self._batches = 0

@@ -76,10 +76,15 @@ class ThreadsafeHandle:
         *,
         max_pending: int = 65_536,
         convert: StepConverter = _no_conversion,
+        idle_poll: float = 0.0,
     ) -> None:
         if type(max_pending) is not int or max_pending < 1:
             raise ConfigError(
                 f"ThreadsafeHandle.max_pending: expected an int >= 1, got {max_pending!r}"
+            )
+        if type(idle_poll) not in (int, float) or not 0 <= idle_poll <= 1:
+            raise ConfigError(
+                f"ThreadsafeHandle.idle_poll: expected seconds in [0, 1], got {idle_poll!r}"
             )
         self._scheduler = scheduler
         self._loop = asyncio.get_running_loop()
@@ -89,6 +94,10 @@ class ThreadsafeHandle:
         self._lock = threading.Lock()
         #: True while the loop side waits for work: the next hand-off wakes it.
         self._idle = False
+        #: `idle_poll`: how long the loop side, once out of work, still looks for more
+        #: by itself (see `step()`); `_lingering` is True during that time.
+        self._linger = float(idle_poll)
+        self._lingering = False
         #: What the loop side waits on while idle; a wake resolves it.
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False
@@ -101,6 +110,8 @@ class ThreadsafeHandle:
         self._wake_set = self._wake
         #: Events handed over but never sealed (the scheduler stopped before it got to them).
         self.events_abandoned = 0
+        #: Times a hand-off had to wake the loop side (see `idle_poll` in `step()`).
+        self.wakeups = 0
 
     # -- the engine's side (any thread) ---------------------------------------------------
 
@@ -112,7 +123,9 @@ class ThreadsafeHandle:
         Raises [`ClosedError`][kvstream.errors.ClosedError] once the handle is closed.
         """
         checked = check_events(events, "emit")
-        self._hand_over((_EMIT, list(checked) if checked is events else checked), False)
+        self._hand_over(
+            (_EMIT, list(checked) if checked is events else checked), False, urgent=False
+        )
 
     def tick(self) -> concurrent.futures.Future[EventBatch | None]:
         """Seal what this thread emitted so far; returns a future of this engine's batch.
@@ -132,10 +145,17 @@ class ThreadsafeHandle:
         and rank). The list is kept as given (copy it if you reuse it); the
         handle's converter checks it on the loop. This is what
         [`EventPublisher.publish()`][kvstream.publisher.EventPublisher.publish] calls.
-        """
-        self._hand_over((_STEP, events, ts, data_parallel_rank), True)
 
-    def _hand_over(self, entry: tuple[Any, ...], is_step: bool) -> None:
+        With `idle_poll` > 0, a step handed over while the loop side has been out of
+        work for less than `idle_poll` seconds does not wake it: the loop looks again
+        by itself when that time is up. An engine stepping faster than that hands its
+        steps over without a wake-up each (whose self-pipe write lets the loop take the
+        GIL from the engine mid-step), at the price of up to `idle_poll` of latency.
+        `tick()` and `flush()` always wake it: someone waits for them.
+        """
+        self._hand_over((_STEP, events, ts, data_parallel_rank), True, urgent=False)
+
+    def _hand_over(self, entry: tuple[Any, ...], is_step: bool, *, urgent: bool = True) -> None:
         if is_step and self._pushed - self._taken >= self._max_pending:
             self._wait_for_room()
         with self._lock:
@@ -147,15 +167,27 @@ class ThreadsafeHandle:
             self._entries.append(entry)
             if is_step:
                 self._pushed += 1
-            wake = self._idle
+            # A step nobody waits for is left to the loop side's own look while it
+            # lingers: no wake-up, whose write would hand it the GIL mid-step.
+            wake = self._idle and (urgent or not self._lingering)
             if wake:
                 self._idle = False
         if wake:
+            self.wakeups += 1
             try:
                 self._loop.call_soon_threadsafe(self._wake_set)
             except RuntimeError:  # the loop has stopped: nothing can run the entry
                 self._closed = True
                 raise ClosedError("the scheduler's event loop has stopped") from None
+
+    def _linger_over(self) -> None:
+        """On the loop, `idle_poll` after it ran out of work: take what came, or park."""
+        with self._lock:
+            self._lingering = False
+            if not self._entries or not self._idle:
+                return  # parked: the next hand-off wakes it
+            self._idle = False
+        self._wake()
 
     def _wake(self) -> None:
         """On the loop: resume the loop side if it waits (a late wake finds nothing to do)."""
@@ -267,7 +299,13 @@ class ThreadsafeHandle:
                     if self._closed:
                         break
                     self._idle = True
-                await waiter
+                    self._lingering = self._linger > 0
+                timer = loop.call_later(self._linger, self._linger_over) if self._linger else None
+                try:
+                    await waiter
+                finally:
+                    if timer is not None:
+                        timer.cancel()
         finally:
             self._closed = True
             self._done.set()
@@ -315,10 +353,12 @@ class LoopThread:
         name: str = "kvstream loop",
         max_pending: int = 65_536,
         convert: StepConverter = _no_conversion,
+        idle_poll: float = 0.0,
     ) -> None:
         self.scheduler = scheduler
         self._max_pending = max_pending
         self._convert = convert
+        self._idle_poll = idle_poll
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -360,7 +400,7 @@ class LoopThread:
         self._stop = asyncio.Event()
         async with self.scheduler:
             self._handle = self.scheduler.threadsafe(
-                max_pending=self._max_pending, convert=self._convert
+                max_pending=self._max_pending, convert=self._convert, idle_poll=self._idle_poll
             )
             self._ready.set()
             await self._stop.wait()

@@ -67,7 +67,7 @@ from kvstream.sinks.base import Sink
 from kvstream.sinks.burst_log import BurstLog
 from kvstream.sinks.encoding import held_bytes
 from kvstream.sinks.replay_ring import ReplayRing
-from kvstream.sinks.zmq_snapshots import SnapshotServer, SnapshotServerStatistics
+from kvstream.sinks.zmq_snapshots import SnapshotServer, SnapshotServerStatistics, next_request
 from kvstream.state import DEFAULT_MAX_BYTES
 from kvstream.wire.broker import Heartbeat, Heartbeats
 from kvstream.wire.vllm_zmq import (
@@ -601,14 +601,8 @@ class ZmqSink(Sink):
         router = self._router
         assert router is not None
         while True:
-            try:
-                frames = router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                with anyio.move_on_after(_WATCH_INTERVAL):
-                    await anyio.wait_readable(router.FD)
-                continue
-            except zmq.ZMQError as exc:
-                log.debug("%s: replay server stopped: %s", self.name, exc)
+            frames = await next_request(router, f"{self.name}: replay server")
+            if frames is None:
                 return
             try:
                 identity, start_seq = parse_replay_request(frames)

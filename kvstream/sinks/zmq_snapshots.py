@@ -28,6 +28,7 @@ import anyio.lowlevel
 from kvstream.codecs.base import Codec
 from kvstream.errors import DecodeError
 from kvstream.events import EventBatch
+from kvstream.sinks.burst_log import BurstLog
 from kvstream.state import StateError, StateKeeper, StateLimitError
 from kvstream.wire.broker import snapshot_parts
 from kvstream.wire.zmq_recovery import (
@@ -41,7 +42,7 @@ try:
 except ImportError:  # pragma: no cover - kvstream.sinks.zmq reports the missing extra
     pass
 
-__all__ = ["SnapshotServer", "SnapshotServerStatistics"]
+__all__ = ["SnapshotServer", "SnapshotServerStatistics", "next_request"]
 
 log = logging.getLogger("kvstream.sinks")
 
@@ -95,6 +96,7 @@ class SnapshotServer:
         self._served = 0
         self._unavailable = 0
         self._malformed = 0
+        self._malformed_log = BurstLog(log)
         self._abandoned = 0
 
     def apply_pending(self) -> None:
@@ -121,21 +123,18 @@ class SnapshotServer:
     async def serve(self, router: zmq.Socket[bytes]) -> None:
         """Answer requests until cancelled (a task of the sink's)."""
         while True:
-            try:
-                frames = router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                self.apply_pending()
-                with anyio.move_on_after(_IDLE_INTERVAL):
-                    await anyio.wait_readable(router.FD)
-                continue
-            except zmq.ZMQError as exc:
-                log.debug("%s: snapshot server stopped: %s", self.where, exc)
+            frames = await next_request(
+                router, f"{self.where}: snapshot server", self.apply_pending
+            )
+            if frames is None:
                 return
             try:
                 identity, topic = parse_snapshot_request(frames)
             except DecodeError as exc:
                 self._malformed += 1
-                log.warning("%s: malformed snapshot request ignored: %s", self.where, exc)
+                self._malformed_log.log(
+                    "%s: malformed snapshot request ignored: %s", self.where, exc
+                )
                 continue
             self._requests += 1
             await self._answer(router, identity, topic)
@@ -205,3 +204,23 @@ class SnapshotServer:
     def _abandon(self, identity: bytes, reason: str) -> None:
         self._abandoned += 1
         log.warning("%s: snapshot to %s abandoned: %s", self.where, identity.hex(), reason)
+
+
+async def next_request(
+    router: zmq.Socket[bytes], what: str, on_idle: Callable[[], object] | None = None
+) -> list[bytes] | None:
+    """The next request on a ROUTER served from the loop (replies, snapshots); None
+    once the socket is closed. While none is there, `on_idle()` runs and the
+    descriptor is watched, with a timeout: a send on the tick can take its signal.
+    """
+    while True:
+        try:
+            return router.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            if on_idle is not None:
+                on_idle()
+            with anyio.move_on_after(_IDLE_INTERVAL):
+                await anyio.wait_readable(router.FD)
+        except zmq.ZMQError as exc:
+            log.debug("%s stopped: %s", what, exc)
+            return None

@@ -602,16 +602,6 @@ class Scheduler:
             return False
         sinks = self._sinks
         force = self._flushing
-        if len(batches) == 1 and len(sinks) == 1:  # one origin, one sink: the common tick
-            sink = sinks[0]
-            batch = batches[0]
-            if not sink._accepting:
-                sink.count_missed(batch, "the sink was closed before the batch")
-            elif not sink.offer(batch, force=force):
-                self._enqueue(batches, 0)
-                return False
-            self._encodings.forget()
-            return True
         for n, batch in enumerate(batches):
             for i, sink in enumerate(sinks):
                 if not sink.accepting:  # closed by its owner: it takes nothing more

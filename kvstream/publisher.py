@@ -760,6 +760,12 @@ class EventPublisher:
         """
         return self._config
 
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every step published so far is sealed and handed to the sinks
+        (written, or queued where a transport is full). Not on vLLM's publisher: a
+        kvstream extra. Raises `TimeoutError` after `timeout` seconds."""
+        self._runner.handle.flush(timeout)
+
     def shutdown(self) -> None:
         """Deliver what is pending (within `close_timeout`), close the sinks, stop the loop.
 

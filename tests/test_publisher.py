@@ -325,3 +325,15 @@ def test_vllms_publisher_arguments_make_one(tmp_path: Path) -> None:
 
 
 # -- exit -------------------------------------------------------------------------------------
+
+
+def test_flush_returns_once_every_published_step_reached_the_sinks() -> None:
+    sink = MemorySink()
+    pub = EventPublisher([sink], origin="engine")
+    try:
+        for i in range(200):
+            pub.publish([vllm_stored(i)])
+        pub.flush(10.0)
+        assert [b.seq for b in sink.batches] == list(range(200))
+    finally:
+        pub.shutdown()

@@ -120,7 +120,7 @@ class _DropIn:
         # Wait without polling while steps are queued (the baseline waits on an Event
         # too): flush() returns once the loop has worked through every step, each
         # written inline or queued; then poll for what a full pipe left queued.
-        self.pub._runner.handle.flush(120.0)
+        self.pub.flush(120.0)
         deadline = time.monotonic() + 120.0
         stats = self.sink.statistics
         while stats().events_out < self._target:

@@ -52,28 +52,39 @@ not given). Bytes that are not a batch at all raise
 from __future__ import annotations
 
 import math
-from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias, get_args
 
 import msgspec
-from msgspec.structs import astuple
 
 from kvstream.codecs import dialects
+from kvstream.codecs._strict import (
+    STRICT_MEDIA,
+    bad_hash_reason,
+    hashes_ok,
+    medium_reason,
+    u64,
+)
+from kvstream.codecs._vllm_structs import (
+    MAP_TO_WIRE,
+    TO_WIRE,
+    MapBatchIn,
+    StoredMap,
+    WireBatch,
+)
 from kvstream.codecs.base import Refusal
 from kvstream.codecs.dialects import DIALECTS, Dialect, check_dialect, read_event
 from kvstream.codecs.refusals import RefusalLog
 from kvstream.errors import ConfigError, DecodeError, KVStreamError, shorten
 from kvstream.events import (
     AllBlocksCleared,
-    BlockHash,
     BlockRemoved,
     BlockStored,
     EventBatch,
     KVCacheEvent,
     with_wire,
 )
-from kvstream.media import CANONICAL_MEDIA, MEDIA_POLICIES, MediaPolicy, canonical_medium
+from kvstream.media import MEDIA_POLICIES, MediaPolicy, canonical_medium
 
 if TYPE_CHECKING:
     from kvstream.config import Options
@@ -94,264 +105,6 @@ Strictness: TypeAlias = Literal["refuse", "convert"] | None
 
 PROFILES: Final[tuple[str, ...]] = get_args(Profile)
 STRICTNESS: Final[tuple[str, ...]] = ("refuse", "convert")
-
-#: The tiers strict consumers know: every canonical name of `kvstream.media`
-#: (`STORAGE` included) and SGLang's `CPU_PINNED`; any other `medium` is
-#: refused in strict mode.
-STRICT_MEDIA: Final = frozenset({*CANONICAL_MEDIA, "CPU_PINNED"})
-
-_U64_MASK: Final = (1 << 64) - 1
-
-
-# -- the wire structs: vLLM's declarations, field for field ---------------------------
-#
-# Each event's fields are declared once, in vLLM's order, and laid out twice by
-# subclasses: as a tagged map ("type" first, fields at their default omitted) and
-# as a tagged array (tag first, every field: msgspec never shortens arrays).
-# ``locality`` and ``metadata`` come last, so each longer layout extends a shorter.
-
-
-class _StoredFields(msgspec.Struct, gc=False):
-    """vLLM's `BlockStored` before `locality`."""
-
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[list[Any] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class _RemovedFields(msgspec.Struct, gc=False):
-    """vLLM's `BlockRemoved` before `locality`."""
-
-    block_hashes: list[BlockHash]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class _StoredMap(_StoredFields, tag="BlockStored", tag_field="type", omit_defaults=True):
-    locality: str | None = None
-
-
-class _StoredMapMeta(_StoredMap):
-    metadata: dict[str, Any] | None = None
-
-
-class _RemovedMap(_RemovedFields, tag="BlockRemoved", tag_field="type", omit_defaults=True):
-    locality: str | None = None
-
-
-class _RemovedMapMeta(_RemovedMap):
-    metadata: dict[str, Any] | None = None
-
-
-class _ClearedMap(
-    msgspec.Struct, tag="AllBlocksCleared", tag_field="type", omit_defaults=True, gc=False
-):
-    pass
-
-
-class _ClearedMapMeta(_ClearedMap):
-    metadata: dict[str, Any] | None = None
-
-
-class _StoredPos(_StoredFields, tag="BlockStored", array_like=True):
-    pass
-
-
-class _StoredPosLocality(_StoredPos):
-    locality: str | None = None
-
-
-class _RemovedPos(_RemovedFields, tag="BlockRemoved", array_like=True):
-    pass
-
-
-class _RemovedPosLocality(_RemovedPos):
-    locality: str | None = None
-
-
-class _ClearedPos(msgspec.Struct, tag="AllBlocksCleared", array_like=True, gc=False):
-    pass
-
-
-class _WireBatch(msgspec.Struct, array_like=True, gc=False):
-    """vLLM's batch: always three elements."""
-
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None
-
-
-class _MapBatchIn(msgspec.Struct, array_like=True, gc=False):
-    """Decoding fast path: map events straight into kvstream's own (validating) events."""
-
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-# -- encoding: one function per (event type, profile), chosen by a table ------------------
-
-
-def _stored_map(e: BlockStored) -> Any:
-    return _StoredMap(
-        e.block_hashes,
-        e.parent_block_hash,
-        e.token_ids,
-        e.block_size,
-        e.lora_id,
-        e.medium,
-        e.lora_name,
-        e.extra_keys,
-        e.group_idx,
-        e.kv_cache_spec_kind,
-        e.kv_cache_spec_sliding_window,
-        e.locality,
-    )
-
-
-def _stored_map_meta(e: BlockStored) -> Any:
-    return _StoredMapMeta(*astuple(e))  # the same fields in the same order (checked below)
-
-
-if _StoredMapMeta.__struct_fields__ != BlockStored.__struct_fields__:  # pragma: no cover
-    raise ImportError("msgpack codec: _StoredMapMeta's fields are not BlockStored's")
-
-
-def _stored_pos(e: BlockStored) -> Any:
-    if e.locality is None:
-        return _StoredPos(
-            e.block_hashes,
-            e.parent_block_hash,
-            e.token_ids,
-            e.block_size,
-            e.lora_id,
-            e.medium,
-            e.lora_name,
-            e.extra_keys,
-            e.group_idx,
-            e.kv_cache_spec_kind,
-            e.kv_cache_spec_sliding_window,
-        )
-    return _StoredPosLocality(
-        e.block_hashes,
-        e.parent_block_hash,
-        e.token_ids,
-        e.block_size,
-        e.lora_id,
-        e.medium,
-        e.lora_name,
-        e.extra_keys,
-        e.group_idx,
-        e.kv_cache_spec_kind,
-        e.kv_cache_spec_sliding_window,
-        e.locality,
-    )
-
-
-def _removed_map(e: BlockRemoved) -> Any:
-    return _RemovedMap(e.block_hashes, e.medium, e.group_idx, e.locality)
-
-
-def _removed_map_meta(e: BlockRemoved) -> Any:
-    return _RemovedMapMeta(e.block_hashes, e.medium, e.group_idx, e.locality, e.metadata)
-
-
-def _removed_pos(e: BlockRemoved) -> Any:
-    if e.locality is None:
-        return _RemovedPos(e.block_hashes, e.medium, e.group_idx)
-    return _RemovedPosLocality(e.block_hashes, e.medium, e.group_idx, e.locality)
-
-
-_CLEARED_MAP: Final = _ClearedMap()
-_CLEARED_POS: Final = _ClearedPos()
-
-
-def _cleared_map(e: AllBlocksCleared) -> Any:
-    return _CLEARED_MAP
-
-
-def _cleared_map_meta(e: AllBlocksCleared) -> Any:
-    return _CLEARED_MAP if e.metadata is None else _ClearedMapMeta(e.metadata)
-
-
-def _cleared_pos(e: AllBlocksCleared) -> Any:
-    return _CLEARED_POS
-
-
-_ToWire: TypeAlias = Callable[[Any], Any]
-
-#: (profile, metadata) -> {event type: converter}. Fixed at import time.
-_TO_WIRE: Final[dict[tuple[str, bool], dict[type, _ToWire]]] = {
-    ("map", False): {
-        BlockStored: _stored_map,
-        BlockRemoved: _removed_map,
-        AllBlocksCleared: _cleared_map,
-    },
-    ("map", True): {
-        BlockStored: _stored_map_meta,
-        BlockRemoved: _removed_map_meta,
-        AllBlocksCleared: _cleared_map_meta,
-    },
-    ("positional", False): {
-        BlockStored: _stored_pos,
-        BlockRemoved: _removed_pos,
-        AllBlocksCleared: _cleared_pos,
-    },
-}
-
-
-_MAP_TO_WIRE: Final = _TO_WIRE[("map", False)]
-
-
-# -- strict screening -------------------------------------------------------------------
-
-
-def _u64(h: BlockHash) -> int:
-    """A hash as strict consumers read it: bytes -> low 64 bits, negative -> unsigned."""
-    if type(h) is bytes:
-        return int.from_bytes(h, "big") & _U64_MASK
-    return h & _U64_MASK  # type: ignore[operator]
-
-
-def _hashes_ok(hashes: list[BlockHash]) -> bool:
-    """True when every hash is an integer in [0, 2**64) (checked in C)."""
-    try:
-        array("Q", hashes)  # type: ignore[type-var]
-    except (TypeError, OverflowError):
-        return False
-    return True
-
-
-def _bad_hash_reason(event: str, hashes: list[BlockHash], parent: BlockHash | None) -> str:
-    for i, h in enumerate(hashes):
-        if type(h) is bytes:
-            return (
-                f"{event}.block_hashes[{i}] is {len(h)} bytes; strict consumers need "
-                "64-bit unsigned integers (strict=convert sends the low 64 bits)"
-            )
-        if type(h) is int and h < 0:
-            return (
-                f"{event}.block_hashes[{i}] is negative ({h}); strict consumers need "
-                "64-bit unsigned integers (strict=convert sends its unsigned form)"
-            )
-    if type(parent) is bytes:
-        return (
-            f"{event}.parent_block_hash is {len(parent)} bytes; strict consumers need "
-            "a 64-bit unsigned integer (strict=convert sends the low 64 bits)"
-        )
-    return (
-        f"{event}.parent_block_hash is negative ({parent!r}); strict consumers need "
-        "a 64-bit unsigned integer (strict=convert sends its unsigned form)"
-    )
-
 
 # -- decoding ---------------------------------------------------------------------------
 
@@ -482,9 +235,9 @@ class MsgpackCodec:
         self.media: MediaPolicy = media
         self._refusals = RefusalLog("msgpack decode")
         # -- profile dispatch: vLLM's profiles here, the other dialects' in dialects.py
-        to_wire = _TO_WIRE.get((profile, metadata))
+        to_wire = TO_WIRE.get((profile, metadata))
         self._to_wire = to_wire if to_wire is not None else dialects.ENCODERS[profile]
-        self._map_decoder = msgspec.msgpack.Decoder(_MapBatchIn)
+        self._map_decoder = msgspec.msgpack.Decoder(MapBatchIn)
 
     @property
     def strict_media(self) -> frozenset[str]:
@@ -523,11 +276,11 @@ class MsgpackCodec:
         if self.strict is not None:
             return self.encode_screened(batch)[0]
         to_wire = self._to_wire
-        if to_wire is _MAP_TO_WIRE:
+        if to_wire is MAP_TO_WIRE:
             # The common case inline (vLLM's current wire): no call per BlockStored.
             events: list[Any] = []
             append = events.append
-            stored_map = _StoredMap
+            stored_map = StoredMap
             for e in batch.events:
                 if type(e) is BlockStored:
                     append(
@@ -551,13 +304,13 @@ class MsgpackCodec:
                     if convert is None:
                         raise TypeError(f"MsgpackCodec: expected a KV cache event, got {e!r:.80}")
                     append(convert(e))
-            return _ENCODE(_WireBatch(batch.ts, events, batch.data_parallel_rank))
+            return _ENCODE(WireBatch(batch.ts, events, batch.data_parallel_rank))
         try:
             events = [to_wire[type(e)](e) for e in batch.events]
         except KeyError:
             bad = next(e for e in batch.events if type(e) not in to_wire)
             raise TypeError(f"MsgpackCodec: expected a KV cache event, got {bad!r:.80}") from None
-        return _ENCODE(_WireBatch(batch.ts, events, batch.data_parallel_rank))
+        return _ENCODE(WireBatch(batch.ts, events, batch.data_parallel_rank))
 
     def encode_screened(self, batch: EventBatch) -> tuple[bytes, tuple[Refusal, ...]]:
         """Encode `batch` through the strict screen; return the bytes and what was refused.
@@ -569,7 +322,7 @@ class MsgpackCodec:
         kept, refused = self.screen(batch.events)
         to_wire = self._to_wire
         events = [to_wire[type(e)](e) for e in kept]
-        data = _ENCODE(_WireBatch(batch.ts, events, batch.data_parallel_rank))
+        data = _ENCODE(WireBatch(batch.ts, events, batch.data_parallel_rank))
         return data, refused
 
     def screen(
@@ -588,44 +341,42 @@ class MsgpackCodec:
             if t is BlockStored:
                 stored: BlockStored = e  # type: ignore[assignment]
                 if stored.medium is not None and stored.medium not in media:
-                    refused.append(Refusal(i, "BlockStored", _medium_reason(stored.medium, media)))
+                    refused.append(Refusal(i, "BlockStored", medium_reason(stored.medium, media)))
                     continue
                 parent = stored.parent_block_hash
                 parent_ok = parent is None or (type(parent) is int and parent >= 0)
-                if not (parent_ok and _hashes_ok(stored.block_hashes)):
+                if not (parent_ok and hashes_ok(stored.block_hashes)):
                     if not convert:
                         refused.append(
                             Refusal(
                                 i,
                                 "BlockStored",
-                                _bad_hash_reason("BlockStored", stored.block_hashes, parent),
+                                bad_hash_reason("BlockStored", stored.block_hashes, parent),
                             )
                         )
                         continue
                     e = msgspec.structs.replace(
                         stored,
-                        block_hashes=[_u64(h) for h in stored.block_hashes],
-                        parent_block_hash=None if parent is None else _u64(parent),
+                        block_hashes=[u64(h) for h in stored.block_hashes],
+                        parent_block_hash=None if parent is None else u64(parent),
                     )
             elif t is BlockRemoved:
                 removed: BlockRemoved = e  # type: ignore[assignment]
                 if removed.medium is not None and removed.medium not in media:
-                    refused.append(
-                        Refusal(i, "BlockRemoved", _medium_reason(removed.medium, media))
-                    )
+                    refused.append(Refusal(i, "BlockRemoved", medium_reason(removed.medium, media)))
                     continue
-                if not _hashes_ok(removed.block_hashes):
+                if not hashes_ok(removed.block_hashes):
                     if not convert:
                         refused.append(
                             Refusal(
                                 i,
                                 "BlockRemoved",
-                                _bad_hash_reason("BlockRemoved", removed.block_hashes, None),
+                                bad_hash_reason("BlockRemoved", removed.block_hashes, None),
                             )
                         )
                         continue
                     e = msgspec.structs.replace(
-                        removed, block_hashes=[_u64(h) for h in removed.block_hashes]
+                        removed, block_hashes=[u64(h) for h in removed.block_hashes]
                     )
             elif t is not AllBlocksCleared:
                 refused.append(Refusal(i, t.__name__, f"not a KV cache event: {e!r:.80}"))
@@ -753,13 +504,6 @@ def _normalized(e: KVCacheEvent) -> KVCacheEvent:
         return e
     meta = with_wire(e.metadata, {"medium": medium}, type(e).__name__)  # type: ignore[attr-defined]
     return msgspec.structs.replace(e, medium=canon, metadata=meta)
-
-
-def _medium_reason(medium: str, media: frozenset[str]) -> str:
-    return (
-        f"medium {medium!r} is not one strict consumers know ({', '.join(sorted(media))}); "
-        "they would count it as GPU"
-    )
 
 
 _ENCODE: Final = msgspec.msgpack.Encoder().encode

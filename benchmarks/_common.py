@@ -20,9 +20,9 @@ from typing import Any
 
 import anyio
 
-from kvstream.bench.report import render_text
-from kvstream.bench.sizes import FULL, QUICK, Sizes
-from kvstream.bench.suite import run_suite
+from kvstream._bench.report import render_text
+from kvstream._bench.sizes import FULL, QUICK, Sizes
+from kvstream._bench.suite import run_suite
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -47,7 +47,7 @@ def sizes_of(args: argparse.Namespace) -> Sizes:
 def main(
     args: argparse.Namespace, benchmarks: Sequence[str], *, sinks: Sequence[str] | None = None
 ) -> int:
-    """Run `benchmarks` (names of `kvstream.bench.suite.BENCHMARKS`), report."""
+    """Run `benchmarks` (names of `kvstream._bench.suite.BENCHMARKS`), report."""
     sizes = sizes_of(args)
 
     async def go() -> dict[str, Any]:

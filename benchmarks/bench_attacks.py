@@ -41,12 +41,12 @@ import zmq
 import zmq.asyncio
 
 from kvstream import BlockRemoved, Scheduler
+from kvstream._wire import vllm_zmq
 from kvstream.index import PrefixIndex
-from kvstream.index.http import QueryServer
+from kvstream.index._http import QueryServer
 from kvstream.metrics import MetricsServer, StatisticsCollector
 from kvstream.sinks.socket import SocketSink
 from kvstream.sinks.zmq import ZmqSink
-from kvstream.wire import vllm_zmq
 
 CONNECTIONS = 64
 TIMEOUT = 5.0

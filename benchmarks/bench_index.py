@@ -2,13 +2,13 @@
 
     python benchmarks/bench_index.py [--quick] [--json] [--repeat N] [--queries N]
 
-The benchmark lives in `kvstream.bench.index_measure` (what it measures is
+The benchmark lives in `kvstream._bench.index_measure` (what it measures is
 described there); `kvstream bench --only index` runs the same code.
 """
 
 from __future__ import annotations
 
-from kvstream.bench.index_measure import main
+from kvstream._bench.index_measure import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import _common
 
-from kvstream.bench.per_sink import SINK_NAMES
+from kvstream._bench.per_sink import SINK_NAMES
 
 if __name__ == "__main__":
     p = _common.parser(__doc__ or "")

@@ -12,7 +12,7 @@ token ids below 32000, stored in chains of 512 blocks, 16 blocks per event):
   (`tracemalloc`) beside its own estimate (what `max_bytes` bounds).
 * **take + encode**: CPU time of what a broker sink does when a snapshot is
   due: the snapshot's events made a slice at a time and encoded as JSON parts
-  in an envelope (`kvstream.wire.broker.snapshot_parts()`), and its bytes;
+  in an envelope (`kvstream._wire.broker.snapshot_parts()`), and its bytes;
   and the longest slice (how long the event loop runs without a checkpoint).
 * **decode**: CPU time of reading the envelope back into one batch of events,
   as the subscribers do.
@@ -45,16 +45,16 @@ import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
-from kvstream.codecs.json import JsonCodec
-from kvstream.events import BlockHash, BlockStored, EventBatch, KVCacheEvent
-from kvstream.state import StateKeeper
-from kvstream.wire.broker import (
+from kvstream._wire.broker import (
     PayloadDecoder,
     SnapshotInfo,
     read_envelope,
     snapshot_envelope,
     snapshot_parts,
 )
+from kvstream.codecs.json import JsonCodec
+from kvstream.events import BlockHash, BlockStored, EventBatch, KVCacheEvent
+from kvstream.state import StateKeeper
 
 BLOCK_SIZE = 16
 CHAIN = 512

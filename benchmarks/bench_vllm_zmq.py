@@ -2,7 +2,7 @@
 
     python benchmarks/bench_vllm_zmq.py [--quick] [--json PATH] [--runs N]
 
-The baseline (kvstream/bench/vllm_baseline.py) is built as WIRE.md describes
+The baseline (kvstream/_bench/vllm_baseline.py) is built as WIRE.md describes
 vLLM's publisher: publish() does a blocking queue.put; a thread encodes with
 msgspec and sends on a PUB socket (hwm 100 000) and keeps a ring. Both sides
 publish the same pre-built batches (1, 16 and 256 events) over TCP to a

@@ -20,11 +20,11 @@ from typing import Any
 
 import anyio
 
-from kvstream.bench.frame_counter import CounterProcess
-from kvstream.bench.measure import Sample
-from kvstream.bench.vllm_baseline import to_vllm_batch
-from kvstream.bench.workload import batches, chunks, event_pool
-from kvstream.bench.zmq_compare import _baseline_run, _kvstream_run, free_tcp_port
+from kvstream._bench.frame_counter import CounterProcess
+from kvstream._bench.measure import Sample
+from kvstream._bench.vllm_baseline import to_vllm_batch
+from kvstream._bench.workload import batches, chunks, event_pool
+from kvstream._bench.zmq_compare import _baseline_run, _kvstream_run, free_tcp_port
 
 
 async def main(args: argparse.Namespace) -> None:

@@ -5,6 +5,7 @@ This module only re-exports the public API; see the submodules for the code.
 
 from importlib import metadata as _metadata
 
+from kvstream._threadsafe import ThreadsafeHandle, run_in_thread
 from kvstream.codecs import Codec, JsonCodec, MsgpackCodec
 from kvstream.config import subscribe
 from kvstream.errors import (
@@ -36,7 +37,6 @@ from kvstream.sinks import (
     SinkStatistics,
 )
 from kvstream.sources import SourceHandle, SourceStatistics, from_take_events
-from kvstream.threadsafe import ThreadsafeHandle, run_in_thread
 
 try:
     __version__ = _metadata.version("kvstream-events")

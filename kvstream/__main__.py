@@ -1,5 +1,5 @@
 """`python -m kvstream`: the same as the `kvstream` command."""
 
-from kvstream.cli.main import main
+from kvstream._cli.main import main
 
 raise SystemExit(main())

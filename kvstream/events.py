@@ -46,7 +46,7 @@ MEDIA: Final = ("GPU", "CPU", "CPU_PINNED", "DISK", "EXTERNAL", "STORAGE")
 #: The `metadata` key under which fields of a foreign dialect travel (SGLang's
 #: `cache_salt` and `session_id`, a raw `medium` spelling, EAGLE token
 #: pairs, fields a later vLLM adds): kvstream's codecs write them back where the
-#: target dialect has them. See `kvstream.codecs.dialects`.
+#: target dialect has them. See `kvstream.codecs._dialects`.
 WIRE_KEY: Final = "wire"
 
 _HASH_MIN: Final = -(2**63)

@@ -33,10 +33,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Final, Literal, NamedTuple, Self
 
+from kvstream._wire.http import HttpLimits, HttpServer, HttpServerStatistics, Request, Response
 from kvstream.errors import ConfigError, MissingDependencyError, TransportError
 from kvstream.scheduler import Scheduler
 from kvstream.sinks.base import Sink
-from kvstream.wire.http import HttpLimits, HttpServer, HttpServerStatistics, Request, Response
 
 try:
     from prometheus_client.core import (

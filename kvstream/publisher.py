@@ -66,6 +66,13 @@ from typing import Any, Final, Literal, NamedTuple
 import msgspec
 from msgspec.structs import force_setattr
 
+from kvstream._threadsafe import LoopThread
+from kvstream._wire.vllm_zmq import (
+    DEFAULT_MAX_QUEUE_SIZE,
+    KVEventsConfig,
+    offset_endpoint,
+    parse_kv_events_config,
+)
 from kvstream.codecs.base import Refusal
 from kvstream.errors import ConfigError, InvalidEventError, InvalidEventTypeError, shorten
 from kvstream.events import (
@@ -79,13 +86,6 @@ from kvstream.events import (
 from kvstream.scheduler import Scheduler
 from kvstream.sinks.base import Sink
 from kvstream.sinks.burst_log import BurstLog
-from kvstream.threadsafe import LoopThread
-from kvstream.wire.vllm_zmq import (
-    DEFAULT_MAX_QUEUE_SIZE,
-    KVEventsConfig,
-    offset_endpoint,
-    parse_kv_events_config,
-)
 
 __all__ = [
     "EventPublisher",
@@ -608,7 +608,7 @@ class EventPublisher:
     goes out on vLLM's wire as it is (see the module doc). `idle_poll`: for
     how long (seconds) the loop, out of work, still looks for steps by itself,
     so that an engine stepping faster than that hands a step over without waking
-    it (see [`ThreadsafeHandle.step()`][kvstream.threadsafe.ThreadsafeHandle.step];
+    it (see [`ThreadsafeHandle.step()`][kvstream._threadsafe.ThreadsafeHandle.step];
     0 wakes it for every step after idle).
     """
 

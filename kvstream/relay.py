@@ -55,7 +55,7 @@ from kvstream.consumers.base import Gap, Subscriber
 from kvstream.errors import ConfigError
 from kvstream.events import AllBlocksCleared, EventBatch, KVCacheEvent
 from kvstream.scheduler import Scheduler
-from kvstream.sources.base import SourceHandle
+from kvstream.sources._base import SourceHandle
 
 __all__ = ["GAP_POLICIES", "Relay", "RelayStatistics", "gap_marker"]
 

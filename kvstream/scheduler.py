@@ -34,11 +34,12 @@ from typing import Any, NamedTuple, Self
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
+from kvstream._threadsafe import ThreadsafeHandle
 from kvstream.errors import ClosedError, ConfigError, InvalidEventTypeError
 from kvstream.events import EventBatch, KVCacheEvent
+from kvstream.sinks._encoding import EncodingGroup
 from kvstream.sinks.base import DeliveryReport, Sink, SinkStatistics
-from kvstream.sinks.encoding import EncodingGroup
-from kvstream.sources.base import (
+from kvstream.sources._base import (
     AsyncSource,
     PolledConnector,
     SourceHandle,
@@ -46,8 +47,7 @@ from kvstream.sources.base import (
     TakeEventsConnector,
     check_events,
 )
-from kvstream.sources.merge import SourceMerger
-from kvstream.threadsafe import ThreadsafeHandle
+from kvstream.sources._merge import SourceMerger
 
 __all__ = ["CloseReport", "Scheduler", "SchedulerStatistics", "every"]
 
@@ -406,7 +406,7 @@ class Scheduler:
         """Add an input; works before and while running.
 
         `source` is an async iterable of events or chunks of events, or a
-        connector adapted with [`from_take_events()`][kvstream.sources.base.from_take_events] (an
+        connector adapted with [`from_take_events()`][kvstream.sources._base.from_take_events] (an
         object with `take_events()` is adapted for you). `origin` names
         another engine whose events this input carries (a relay); by default the
         input is one of this engine's connectors.

@@ -1,6 +1,6 @@
 """Real broker servers for tests: ``nats-server -js`` and ``redis-server --appendonly yes``.
 
-The launcher is the package's (`kvstream.bench.servers`, which the benchmark
+The launcher is the package's (`kvstream._bench.servers`, which the benchmark
 uses too); here are the fixtures around it. Each server runs on a free
 127.0.0.1 port with its data in a short temporary folder, and can be stopped
 and started again on the same port and data (a restart mid-test). When a
@@ -36,7 +36,7 @@ import anyio.abc
 import pytest
 from waiting import wait_until
 
-from kvstream.bench.servers import NatsServer, RedisServer, free_port
+from kvstream._bench.servers import NatsServer, RedisServer, free_port
 from kvstream.config import open_subscriber
 from kvstream.consumers.base import Gap
 from kvstream.events import BlockStored, EventBatch

@@ -12,14 +12,14 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvstream.bench.measure import Sample, percentile, summarize
-from kvstream.bench.plot import plot_series
-from kvstream.bench.report import render_text
-from kvstream.bench.sizes import TINY
-from kvstream.bench.suite import BENCHMARKS, run_suite
-from kvstream.bench.vllm_baseline import to_vllm_batch
-from kvstream.bench.workload import VOCAB_SIZE, batches, chunks, event_pool, pool_stats
-from kvstream.cli.main import main
+from kvstream._bench.measure import Sample, percentile, summarize
+from kvstream._bench.plot import plot_series
+from kvstream._bench.report import render_text
+from kvstream._bench.sizes import TINY
+from kvstream._bench.suite import BENCHMARKS, run_suite
+from kvstream._bench.vllm_baseline import to_vllm_batch
+from kvstream._bench.workload import VOCAB_SIZE, batches, chunks, event_pool, pool_stats
+from kvstream._cli.main import main
 from kvstream.codecs.msgpack import MsgpackCodec
 from kvstream.events import BlockRemoved, BlockStored
 

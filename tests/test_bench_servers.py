@@ -1,4 +1,4 @@
-"""The one broker launcher, `kvstream.bench.servers`: the benchmark's and the tests' servers."""
+"""The one broker launcher, `kvstream._bench.servers`: the benchmark's and the tests' servers."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import servers
 
-from kvstream.bench import servers as launcher
-from kvstream.bench.servers import BrokerServer
+from kvstream._bench import servers as launcher
+from kvstream._bench.servers import BrokerServer
 
 
 def _answers(port: int, request: bytes, prefix: bytes) -> bool:

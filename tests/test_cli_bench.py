@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstream.cli.bench import QUICK_TIME, missed_targets
-from kvstream.cli.main import main
+from kvstream._cli.bench import QUICK_TIME, missed_targets
+from kvstream._cli.main import main
 
 
 def test_missed_targets_collects_every_unmet_target_once() -> None:

@@ -9,8 +9,8 @@ import anyio
 import pytest
 
 from kvstream import JsonCodec, __version__
-from kvstream.cli.longrun import Progress
-from kvstream.cli.main import COMMANDS, build_parser, main
+from kvstream._cli.longrun import Progress
+from kvstream._cli.main import COMMANDS, build_parser, main
 
 
 def write(path: Path, text: str) -> str:
@@ -46,7 +46,7 @@ sink = ["file:{a}"]
 
 def test_config_values_are_parsed_into_the_namespace(tmp_path: Path) -> None:
     config = write(tmp_path / "kv.toml", '[demo]\nrate = 5\nsink = "-"\nmetrics = ":0"\n')
-    from kvstream.cli.configfile import apply_config, finish_args, load_config
+    from kvstream._cli.configfile import apply_config, finish_args, load_config
 
     parser = build_parser()
     apply_config(parser, load_config(config), config)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvstream import JsonCodec
-from kvstream.cli.main import main
+from kvstream._cli.main import main
 from kvstream.sim import check_consistency
 
 

@@ -21,7 +21,7 @@ from typing import Final
 import pytest
 from docs_blocks import ROOT, pages
 
-from kvstream.cli.main import COMMANDS
+from kvstream._cli.main import COMMANDS
 
 ROLE: Final = re.compile(
     r":(?:py:)?(?:class|func|meth|attr|mod|exc|data|obj|const|term|ref|doc|any):`"
@@ -33,7 +33,7 @@ INTERNAL: Final = re.compile(r"(?i)\b(the issue|issue item|as their issues land|
 FENCE: Final = re.compile(r"^\s*(```|~~~)")
 
 #: User-facing text that other work is rewriting now (the lead removes entries as it lands).
-INTERNAL_LANGUAGE_PENDING: Final = frozenset({"docs/benchmarks.md", "kvstream/bench"})
+INTERNAL_LANGUAGE_PENDING: Final = frozenset({"docs/benchmarks.md", "kvstream/_bench"})
 
 
 def python_files() -> list[Path]:

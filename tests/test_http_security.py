@@ -7,7 +7,7 @@ import orjson
 import pytest
 
 from kvstream import ConfigError, PrefixIndex
-from kvstream.index.http import QueryServer
+from kvstream.index._http import QueryServer
 from kvstream.metrics import MetricsServer, StatisticsCollector
 
 

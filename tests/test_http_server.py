@@ -12,8 +12,8 @@ import pytest
 from anyio.abc import SocketStream
 from servers import wait_until
 
+from kvstream._wire.http import HttpLimits, HttpServer, Request, Response
 from kvstream.errors import ClosedError, ConfigError
-from kvstream.wire.http import HttpLimits, HttpServer, Request, Response
 
 
 async def _echo(request: Request) -> Response:

@@ -31,9 +31,9 @@ from kvstream.events import (
     EventBatch,
     KVCacheEvent,
 )
-from kvstream.index.hashing import BlockHasher
-from kvstream.index.http import QueryServer
-from kvstream.index.prefix import DEFAULT_TIER_WEIGHTS, TIER_PREFERENCE
+from kvstream.index._hashing import BlockHasher
+from kvstream.index._http import QueryServer
+from kvstream.index._prefix import DEFAULT_TIER_WEIGHTS, TIER_PREFERENCE
 from kvstream.sim import Request, SimulatedEngine, Workload
 
 B = 4  # block size of the hand-built tests
@@ -1161,7 +1161,7 @@ def test_cli_index_follows_a_file_and_answers_queries() -> None:
 
 
 def test_cli_index_demo_routes_better_than_random(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvstream.cli.main import main
+    from kvstream._cli.main import main
 
     assert main(["index", "--demo", "--engines", "3", "--requests", "300"]) == 0
     out = capsys.readouterr().out
@@ -1178,7 +1178,7 @@ def test_cli_index_demo_routes_better_than_random(capsys: pytest.CaptureFixture[
 
 
 def test_demo_tier_weights_reuse_more_than_gpu_only_when_gpus_are_small() -> None:
-    from kvstream.index.demo import compare_routing
+    from kvstream.index._demo import compare_routing
 
     weighted, gpu_only, randomly = compare_routing(
         engines=3, requests=600, gpu_blocks=128, ranks=2, seed=0
@@ -1194,7 +1194,7 @@ def test_demo_tier_weights_reuse_more_than_gpu_only_when_gpus_are_small() -> Non
 
 
 def test_cli_index_needs_a_url_or_demo(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvstream.cli.main import main
+    from kvstream._cli.main import main
 
     assert main(["index"]) == 2
     assert "URL" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The index benchmark (`kvstream.bench.index_measure`) runs on a small corpus, and its JSON
+"""The index benchmark (`kvstream._bench.index_measure`) runs on a small corpus, and its JSON
 becomes report rows."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import kvstream
-from kvstream.bench import index_measure as bench
-from kvstream.bench.index_runner import _rows, index_command
+from kvstream._bench import index_measure as bench
+from kvstream._bench.index_runner import _rows, index_command
 
 
 def test_the_benchmark_functions_run_and_report_every_key() -> None:
@@ -34,7 +34,7 @@ def test_the_benchmark_functions_run_and_report_every_key() -> None:
 
 def test_the_child_imports_the_kvstream_this_process_runs(tmp_path: Path) -> None:
     argv, env = index_command(quick=True)
-    assert argv[:4] == [sys.executable, "-P", "-m", "kvstream.bench.index_measure"]
+    assert argv[:4] == [sys.executable, "-P", "-m", "kvstream._bench.index_measure"]
     assert argv[4:] == ["--json", "--quick"]
     # Run from a folder holding a decoy kvstream: the child still imports this one.
     (tmp_path / "kvstream").mkdir()

@@ -13,7 +13,7 @@ from test_index import RecordingWorkload, Reference, _queries, head
 from kvstream import PrefixIndex, PrefixMatch
 from kvstream.errors import ConfigError
 from kvstream.events import BlockRemoved, BlockStored, EventBatch
-from kvstream.index.keys import vllm_extra_keys
+from kvstream.index._keys import vllm_extra_keys
 from kvstream.sim import SimulatedEngine
 
 B = 4

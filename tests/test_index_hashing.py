@@ -14,7 +14,7 @@ M64 = (1 << 64) - 1
 
 
 def documented_chain(hasher: BlockHasher, tokens: list[int], salts: list[int]) -> list[int]:
-    """The module doc of `kvstream.index.hashing`, one block and one word at a time."""
+    """The module doc of `kvstream.index._hashing`, one block and one word at a time."""
     size = hasher.block_size
     seeds = hasher._py_seeds
     k1, k2 = hasher._py_k1, hasher._py_k2

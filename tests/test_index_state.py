@@ -20,7 +20,7 @@ from kvstream import PrefixIndex
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ConfigError
 from kvstream.events import BlockStored, EventBatch
-from kvstream.index.http import QueryServer
+from kvstream.index._http import QueryServer
 from kvstream.sim import SimulatedEngine
 
 B = 4

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvstream import PrefixIndex
 from kvstream.events import BlockStored, EventBatch, KVCacheEvent
-from kvstream.index.table import NodeTable
+from kvstream.index._table import NodeTable
 
 
 @settings(max_examples=60, deadline=None, database=None)

@@ -25,16 +25,7 @@ from servers import (
     wait_until,
 )
 
-from kvstream.codecs.json import JsonCodec
-from kvstream.config import open_sink, open_subscriber
-from kvstream.consumers.base import Gap
-from kvstream.consumers.nats import NatsSubscriber
-from kvstream.errors import ClosedError, ConfigError, DecodeError, TransportError
-from kvstream.events import BlockRemoved, EventBatch
-from kvstream.scheduler import Scheduler
-from kvstream.sinks.memory import MemorySink
-from kvstream.sinks.nats import NatsSink
-from kvstream.wire.broker import (
+from kvstream._wire.broker import (
     PayloadDecoder,
     check_subject,
     default_subject,
@@ -44,6 +35,15 @@ from kvstream.wire.broker import (
     subject_covers,
     subject_token,
 )
+from kvstream.codecs.json import JsonCodec
+from kvstream.config import open_sink, open_subscriber
+from kvstream.consumers.base import Gap
+from kvstream.consumers.nats import NatsSubscriber
+from kvstream.errors import ClosedError, ConfigError, DecodeError, TransportError
+from kvstream.events import BlockRemoved, EventBatch
+from kvstream.scheduler import Scheduler
+from kvstream.sinks.memory import MemorySink
+from kvstream.sinks.nats import NatsSink
 
 __all__ = ["nats_server", "nats_servers"]  # fixtures, imported for pytest
 

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstream import AllBlocksCleared, BlockRemoved, BlockStored, MemorySink
+from kvstream._wire.vllm_zmq import KVEventsConfig
 from kvstream.errors import ClosedError, ConfigError, InvalidEventError, InvalidEventTypeError
 from kvstream.publisher import EventPublisher, from_vllm_event, to_kvstream_event
-from kvstream.wire.vllm_zmq import KVEventsConfig
 
 # vLLM's current BlockStored (Aug 2026) adds fields kvstream's events do not have.
 

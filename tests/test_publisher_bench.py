@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from kvstream.bench.publisher_compare import bench_publisher, busy_work, calibrate_busy_work
-from kvstream.bench.sizes import TINY
-from kvstream.bench.suite import BENCHMARKS, run_suite
-from kvstream.bench.workload import event_pool
+from kvstream._bench.publisher_compare import bench_publisher, busy_work, calibrate_busy_work
+from kvstream._bench.sizes import TINY
+from kvstream._bench.suite import BENCHMARKS, run_suite
+from kvstream._bench.workload import event_pool
 
 
 async def test_the_publisher_comparison_reports_every_row_and_target() -> None:

@@ -18,6 +18,12 @@ import orjson
 import pytest
 from servers import NatsServer, RedisServer, nats_servers, redis_servers, wait_until
 
+from kvstream._wire.broker import (
+    SnapshotInfo,
+    snapshot_envelope,
+    snapshot_parts,
+    snapshot_subjects,
+)
 from kvstream.config import open_sink, open_subscriber
 from kvstream.consumers.base import (
     Gap,
@@ -31,12 +37,6 @@ from kvstream.events import AllBlocksCleared, BlockStored, EventBatch
 from kvstream.sim import SimulatedEngine
 from kvstream.sinks.base import Sink
 from kvstream.state import StateKeeper
-from kvstream.wire.broker import (
-    SnapshotInfo,
-    snapshot_envelope,
-    snapshot_parts,
-    snapshot_subjects,
-)
 
 __all__ = ["nats_servers", "redis_servers"]  # fixtures, imported for pytest
 

@@ -18,6 +18,8 @@ import anyio
 import pytest
 from servers import wait_until
 
+from kvstream._wire.broker import Heartbeat
+from kvstream._wire.socket_protocol import heartbeat_message, parse_heartbeat
 from kvstream.consumers.base import Gap, LivenessChange, SubscriberItem
 from kvstream.consumers.socket import SnapshotBatch, SocketSubscriber
 from kvstream.events import AllBlocksCleared, EventBatch, KVCacheEvent
@@ -25,8 +27,6 @@ from kvstream.scheduler import Scheduler
 from kvstream.sim import SimulatedEngine
 from kvstream.sinks.socket import SocketSink
 from kvstream.state import StateKeeper
-from kvstream.wire.broker import Heartbeat
-from kvstream.wire.socket_protocol import heartbeat_message, parse_heartbeat
 
 ORIGIN = "eng"
 

@@ -5,10 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvstream import AllBlocksCleared, BlockStored, EventBatch, KVCacheEvent
-from kvstream.config import open_sink, open_subscriber
-from kvstream.errors import ConfigError, DecodeError
-from kvstream.state import SnapshotSchedule, StateKeeper
-from kvstream.wire.broker import (
+from kvstream._wire.broker import (
     SNAPSHOT_PART_BLOCKS,
     Heartbeat,
     PayloadDecoder,
@@ -21,6 +18,9 @@ from kvstream.wire.broker import (
     snapshot_parts,
     snapshot_subjects,
 )
+from kvstream.config import open_sink, open_subscriber
+from kvstream.errors import ConfigError, DecodeError
+from kvstream.state import SnapshotSchedule, StateKeeper
 
 
 def _keeper(blocks: int) -> StateKeeper:

@@ -27,6 +27,17 @@ import zmq
 import zmq.asyncio
 from servers import wait_until
 
+from kvstream._wire.broker import Heartbeat
+from kvstream._wire.zmq_recovery import (
+    HEARTBEAT_TOPIC,
+    SnapshotHead,
+    heartbeat_frames,
+    parse_heartbeat,
+    parse_snapshot_message,
+    parse_snapshot_request,
+    snapshot_message,
+    snapshot_request,
+)
 from kvstream.codecs.msgpack import MsgpackCodec
 from kvstream.config import open_subscriber
 from kvstream.consumers.base import Gap, LivenessChange, Subscriber, SubscriberItem
@@ -37,17 +48,6 @@ from kvstream.events import AllBlocksCleared, BlockStored, EventBatch
 from kvstream.sim import SimulatedEngine
 from kvstream.sinks.zmq import ZmqSink
 from kvstream.state import StateKeeper
-from kvstream.wire.broker import Heartbeat
-from kvstream.wire.zmq_recovery import (
-    HEARTBEAT_TOPIC,
-    SnapshotHead,
-    heartbeat_frames,
-    parse_heartbeat,
-    parse_snapshot_message,
-    parse_snapshot_request,
-    snapshot_message,
-    snapshot_request,
-)
 
 ORIGIN = "eng"
 RING = 5  # the publisher's replay ring keeps this many batches
@@ -648,7 +648,7 @@ async def test_a_relay_serves_snapshots_and_heartbeats_for_an_engine_without_the
 async def test_a_relay_carries_an_upstream_snapshot_under_a_new_epoch_as_no_restart() -> None:
     """A ZMQ subscriber names batches by its own epoch until a snapshot tells it the
     publisher's: the relay forwards the snapshot's one clear and counts no restart."""
-    from kvstream.consumers.broker import as_snapshot_batch
+    from kvstream.consumers._broker import as_snapshot_batch
     from kvstream.relay import Relay
     from kvstream.scheduler import Scheduler
     from kvstream.sinks.memory import MemorySink

@@ -25,6 +25,7 @@ from servers import (
     wait_until,
 )
 
+from kvstream._wire.broker import key_from_fields, redis_fields
 from kvstream.codecs.json import JsonCodec
 from kvstream.config import open_sink, open_subscriber
 from kvstream.consumers.base import Gap
@@ -34,7 +35,6 @@ from kvstream.events import BlockRemoved, EventBatch
 from kvstream.scheduler import Scheduler
 from kvstream.sinks.memory import MemorySink
 from kvstream.sinks.redis import RedisSink, _next_id
-from kvstream.wire.broker import key_from_fields, redis_fields
 
 __all__ = ["redis_server", "redis_servers"]  # fixtures, imported for pytest
 

@@ -15,7 +15,7 @@ import pytest
 
 from kvstream import ConfigError, FileSink, JsonCodec, MemorySink, MissingDependencyError
 from kvstream.config import Options, ParsedURL, Registry, make_codec, open_sink, open_subscriber
-from kvstream.config.registry import _Entry
+from kvstream.config._registry import _Entry
 from kvstream.sinks.base import Sink
 
 REPO = Path(__file__).resolve().parent.parent
@@ -254,10 +254,10 @@ def test_bench_measures_a_plugin_sink_url(tmp_path: Path) -> None:
 def test_a_codec_named_on_the_wire_comes_from_the_one_table() -> None:
     # The socket protocol's welcome and the brokers' codec header name codecs the
     # way URLs do (kvstream.config.make_codec): same names, same refusal.
+    from kvstream._wire.broker import PayloadDecoder
+    from kvstream._wire.socket_protocol import ProtocolError, codec_by_name
     from kvstream.codecs.msgpack import MsgpackCodec
     from kvstream.errors import DecodeError
-    from kvstream.wire.broker import PayloadDecoder
-    from kvstream.wire.socket_protocol import ProtocolError, codec_by_name
 
     assert isinstance(codec_by_name("msgpack"), MsgpackCodec)
     assert isinstance(PayloadDecoder().codec("msgpack"), MsgpackCodec)

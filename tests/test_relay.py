@@ -25,7 +25,7 @@ import pytest
 import vllm_wire as vllm
 import zmq
 
-from kvstream.cli.main import main
+from kvstream._cli.main import main
 from kvstream.codecs.json import JsonCodec
 from kvstream.events import AllBlocksCleared, BlockRemoved, EventBatch, KVCacheEvent
 from kvstream.sim import SimulatedEngine, check_consistency

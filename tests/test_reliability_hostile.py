@@ -33,10 +33,10 @@ from kvstream import (
     JsonCodec,
     KVStreamError,
 )
+from kvstream._wire import socket_protocol as sp
+from kvstream._wire import vllm_zmq as vz
 from kvstream.codecs.msgpack import MsgpackCodec
 from kvstream.testing import SeededEvents
-from kvstream.wire import socket_protocol as sp
-from kvstream.wire import vllm_zmq as vz
 
 #: Examples per property; raise KVSTREAM_FUZZ_EXAMPLES for a longer hunt.
 FUZZ = settings(

@@ -28,7 +28,7 @@ CHILD = textwrap.dedent(
     import anyio
 
     from kvstream import BlockStored, JsonCodec, Scheduler
-    from kvstream.bench.workload import event_pool
+    from kvstream._bench.workload import event_pool
     from kvstream.sinks.socket import SocketSink
     from kvstream.sinks.zmq import ZmqSink
     from kvstream.testing import FaultySink
@@ -124,9 +124,9 @@ REPLAY_CHILD = textwrap.dedent(
     import zmq
 
     from kvstream import Scheduler
-    from kvstream.bench.workload import event_pool
+    from kvstream._bench.workload import event_pool
     from kvstream.sinks.zmq import ZmqSink
-    from kvstream.wire.vllm_zmq import pack_seq
+    from kvstream._wire.vllm_zmq import pack_seq
 
     BOUND = int(sys.argv[1])
 

@@ -18,12 +18,12 @@ import orjson
 import pytest
 
 from kvstream import EventBatch, JsonCodec, Scheduler
+from kvstream._wire import socket_protocol as sp
 from kvstream.codecs.msgpack import MsgpackCodec
 from kvstream.consumers.base import Gap
 from kvstream.consumers.socket import SocketSubscriber
 from kvstream.events import BlockStored
 from kvstream.sinks.socket import SocketSink
-from kvstream.wire import socket_protocol as sp
 
 pytestmark = pytest.mark.usefixtures("no_leaked_tasks")
 

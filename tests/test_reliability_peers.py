@@ -337,10 +337,10 @@ zmq_asyncio = pytest.importorskip("zmq.asyncio")
 if TYPE_CHECKING:
     from zmq.asyncio import Socket as AsyncSocket
 
+from kvstream._wire import vllm_zmq as vz  # noqa: E402
 from kvstream.codecs.msgpack import MsgpackCodec  # noqa: E402
 from kvstream.consumers.zmq import ZmqPublisher, ZmqSubscriber  # noqa: E402
 from kvstream.sinks.zmq import ZmqSink  # noqa: E402
-from kvstream.wire import vllm_zmq as vz  # noqa: E402
 
 
 def _free_port() -> int:

@@ -17,7 +17,7 @@ import pytest
 from servers import wait_until
 from test_reliability_peers import _talk
 
-from kvstream.wire.http import HttpLimits, HttpServer, Request, Response
+from kvstream._wire.http import HttpLimits, HttpServer, Request, Response
 
 pytestmark = pytest.mark.usefixtures("no_leaked_tasks")
 

@@ -23,9 +23,9 @@ import pytest
 from test_publisher import KVEventBatch, kv_of, vllm_stored
 
 from kvstream import BlockRemoved, KVCacheEvent, MemorySink, Scheduler
+from kvstream._threadsafe import run_in_thread
 from kvstream.errors import ClosedError
 from kvstream.publisher import EventPublisher
-from kvstream.threadsafe import run_in_thread
 
 
 def ev(i: int) -> BlockRemoved:

@@ -12,7 +12,7 @@ import pytest
 
 from kvstream import BlockStored, EventBatch, FileSink, JsonCodec, Scheduler
 from kvstream.consumers import FileSubscriber
-from kvstream.sim.check import ConsistencyError, check_consistency
+from kvstream.sim._check import ConsistencyError, check_consistency
 
 REPO = Path(__file__).resolve().parent.parent
 

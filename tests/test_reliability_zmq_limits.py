@@ -22,6 +22,7 @@ from servers import wait_until
 from test_reliability_peers import _free_port
 
 from kvstream import Scheduler
+from kvstream._wire import vllm_zmq as wire
 from kvstream.codecs.msgpack import MsgpackCodec
 from kvstream.config import open_subscriber
 from kvstream.consumers.base import Gap
@@ -29,7 +30,6 @@ from kvstream.consumers.zmq import DEFAULT_MAX_MESSAGE_BYTES, ZmqPublisher, ZmqS
 from kvstream.errors import ConfigError
 from kvstream.events import BlockRemoved, BlockStored, EventBatch
 from kvstream.sinks.zmq import ZmqSink
-from kvstream.wire import vllm_zmq as wire
 
 pytestmark = pytest.mark.usefixtures("no_leaked_tasks")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstream.sinks.replay_ring import ReplayRing
+from kvstream.sinks._replay_ring import ReplayRing
 
 
 def state(ring: ReplayRing[int]) -> tuple[object, ...]:

@@ -26,14 +26,7 @@ from waiting import wait_until
 
 import kvstream
 from kvstream import BlockRemoved, BlockStored, EventBatch, Scheduler
-from kvstream.codecs.msgpack import MsgpackCodec
-from kvstream.config import open_sink, open_subscriber
-from kvstream.consumers.base import Gap, Subscriber, SubscriberItem
-from kvstream.consumers.socket import SnapshotBatch, SocketSubscriber
-from kvstream.errors import ConfigError, DecodeError, TransportError
-from kvstream.sim import SimulatedEngine, check_consistency
-from kvstream.sinks.socket import SocketSink
-from kvstream.wire.socket_protocol import (
+from kvstream._wire.socket_protocol import (
     MAX_HELLO_BYTES,
     BatchMessage,
     ControlMessage,
@@ -45,7 +38,14 @@ from kvstream.wire.socket_protocol import (
     parse_hello,
     token_matches,
 )
-from kvstream.wire.socket_security import client_ssl_context, server_ssl_context
+from kvstream._wire.socket_security import client_ssl_context, server_ssl_context
+from kvstream.codecs.msgpack import MsgpackCodec
+from kvstream.config import open_sink, open_subscriber
+from kvstream.consumers.base import Gap, Subscriber, SubscriberItem
+from kvstream.consumers.socket import SnapshotBatch, SocketSubscriber
+from kvstream.errors import ConfigError, DecodeError, TransportError
+from kvstream.sim import SimulatedEngine, check_consistency
+from kvstream.sinks.socket import SocketSink
 
 DEADLINE = 20.0
 

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstream import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from kvstream.consumers.broker import as_snapshot_batch
+from kvstream.consumers._broker import as_snapshot_batch
 from kvstream.errors import ConfigError
 from kvstream.events import KVCacheEvent
 from kvstream.sim import SimulatedEngine, check_consistency

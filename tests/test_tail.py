@@ -15,8 +15,8 @@ import orjson
 import pytest
 
 from kvstream import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, JsonCodec, Scheduler
-from kvstream.cli.main import main
-from kvstream.cli.tail import Printer
+from kvstream._cli.main import main
+from kvstream._cli.tail import Printer
 from kvstream.consumers.base import Gap
 from kvstream.sim import check_consistency
 from kvstream.sinks.socket import SocketSink

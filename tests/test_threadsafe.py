@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstream import AllBlocksCleared, BlockRemoved, EventBatch, KVCacheEvent, MemorySink, Scheduler
+from kvstream._threadsafe import LoopThread, ThreadsafeHandle, run_in_thread
 from kvstream.errors import ClosedError, ConfigError, InvalidEventTypeError
-from kvstream.threadsafe import LoopThread, ThreadsafeHandle, run_in_thread
 
 
 def ev(i: int) -> BlockRemoved:

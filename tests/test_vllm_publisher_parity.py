@@ -29,8 +29,8 @@ import vllm_wire as vllm
 import zmq
 from servers import free_port
 
+from kvstream._wire.vllm_zmq import offset_endpoint
 from kvstream.publisher import EventPublisher
-from kvstream.wire.vllm_zmq import offset_endpoint
 
 TRANSPORTS = ("tcp", "ipc", "inproc")
 

@@ -22,7 +22,8 @@ import zmq.asyncio
 from waiting import wait_until
 
 import kvstream
-from kvstream.cli import zmq_sink_from_kv_events_config
+from kvstream._cli import zmq_sink_from_kv_events_config
+from kvstream._wire import vllm_zmq as wire
 from kvstream.codecs.msgpack import MsgpackCodec
 from kvstream.config import open_sink, open_subscriber
 from kvstream.consumers.base import Gap
@@ -32,7 +33,6 @@ from kvstream.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBa
 from kvstream.publisher import EventPublisher
 from kvstream.scheduler import Scheduler
 from kvstream.sinks.zmq import ZmqSink
-from kvstream.wire import vllm_zmq as wire
 
 END = b"\xff" * 8
 

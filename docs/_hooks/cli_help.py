@@ -3,7 +3,7 @@
 `<!-- kvstream-help -->` in a page becomes `kvstream --help`;
 `<!-- kvstream-help demo -->` becomes `kvstream demo --help`; and
 `<!-- kvstream-help-all -->` becomes a section per command listed in
-`kvstream.cli.main.COMMANDS`, so a new command is documented the moment it
+`kvstream._cli.main.COMMANDS`, so a new command is documented the moment it
 is registered, and no help text in the docs can go stale.
 """
 
@@ -19,13 +19,13 @@ _ALL = "<!-- kvstream-help-all -->"
 
 def _parser() -> Any:
     os.environ["COLUMNS"] = "100"  # argparse wraps help to the terminal's width
-    from kvstream.cli.main import build_parser
+    from kvstream._cli.main import build_parser
 
     return build_parser()
 
 
 def _subcommands(parser: Any) -> dict[str, Any]:
-    from kvstream.cli.configfile import _subcommands
+    from kvstream._cli.configfile import _subcommands
 
     return _subcommands(parser)
 

@@ -4,7 +4,7 @@ A codec turns one [`EventBatch`][kvstream.events.EventBatch] into bytes and back
 does no I/O and keeps no per-call state, so it can be tested and benchmarked
 without an event loop and shared by every sink that uses it. Sinks never call
 a codec themselves: the scheduler's encoding group
-(`kvstream.sinks.encoding.EncodingGroup`) encodes each batch once per
+(`kvstream.sinks._encoding.EncodingGroup`) encodes each batch once per
 equal codec, with `Codec.encode_screened()`, however many sinks share it.
 
 Every caller uses the contract as declared here: no probing for optional

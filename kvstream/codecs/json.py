@@ -26,8 +26,8 @@ from typing import Any, Final
 import msgspec
 import orjson
 
+from kvstream.codecs._refusals import RefusalLog
 from kvstream.codecs.base import Refusal
-from kvstream.codecs.refusals import RefusalLog
 from kvstream.errors import DecodeError, KVStreamError, shorten
 from kvstream.events import (
     AllBlocksCleared,

@@ -32,10 +32,10 @@ refused, so a sink can count and log it (the ZMQ sink does).
 
 Three more output profiles write the other consumers' dialects: `sglang`,
 `sglang-positional` and `llm-d-2025-12`; their encoders live in
-`kvstream.codecs.dialects` and are picked by the profile dispatch in
+`kvstream.codecs._dialects` and are picked by the profile dispatch in
 [`MsgpackCodec`][kvstream.codecs.msgpack.MsgpackCodec]'s constructor.
 
-Decoding reads every engine dialect (`kvstream.codecs.dialects`: vLLM map
+Decoding reads every engine dialect (`kvstream.codecs._dialects`: vLLM map
 and positional of every historical length, SGLang map and positional,
 TensorRT-LLM's vLLM wire), batches of 2 elements (no rank) and a batch written
 as a map. It is per event: an event no dialect reads is left out and counted,
@@ -57,7 +57,9 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias, get_args
 
 import msgspec
 
-from kvstream.codecs import dialects
+from kvstream.codecs import _dialects as dialects
+from kvstream.codecs._dialects import DIALECTS, Dialect, check_dialect, read_event
+from kvstream.codecs._refusals import RefusalLog
 from kvstream.codecs._strict import (
     STRICT_MEDIA,
     bad_hash_reason,
@@ -73,8 +75,6 @@ from kvstream.codecs._vllm_structs import (
     WireBatch,
 )
 from kvstream.codecs.base import Refusal
-from kvstream.codecs.dialects import DIALECTS, Dialect, check_dialect, read_event
-from kvstream.codecs.refusals import RefusalLog
 from kvstream.errors import ConfigError, DecodeError, KVStreamError, shorten
 from kvstream.events import (
     AllBlocksCleared,

@@ -12,7 +12,7 @@ Sink URLs (every one also takes `?policy=block|drop_oldest|drop_newest`,
 and `tcp://HOST:PORT`, `unix:PATH`, `zmq+tcp://...`, `zmq+ipc://...`,
 `nats://...`, `redis://...`. An option a sink does not know is an error
 that names it; so is a malformed value. Installed plug-ins add schemes and
-codecs through entry points (`kvstream.config.registry`).
+codecs through entry points (`kvstream.config._registry`).
 
 Integrations are imported only when their scheme is used, so a missing extra
 says which `pip install 'kvstream-events[...]'` fixes it.
@@ -28,7 +28,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 from kvstream.codecs.base import Codec
 from kvstream.codecs.json import JsonCodec
-from kvstream.config.registry import Registry
+from kvstream.config._registry import Registry
 from kvstream.consumers.base import Subscriber
 from kvstream.errors import ConfigError
 from kvstream.sinks.base import DEFAULT_MAX_BATCHES, DEFAULT_MAX_BYTES, POLICIES, Sink

@@ -4,7 +4,7 @@
 subscriber pulls messages of `SUBJECT` (default `kv.events.>`: every
 origin) in stream order, turns each back into its batch (codec from the
 `Kv-Codec` header, name from the `Kv-*` headers, see
-`kvstream.wire.broker`), checks continuity per `(origin, epoch)` and
+`kvstream._wire.broker`), checks continuity per `(origin, epoch)` and
 yields batches and [`Gap`][kvstream.consumers.base.Gap] items.
 
 Acknowledgement: a message is acked once the caller has taken its batch and
@@ -24,7 +24,7 @@ name the consumer is ephemeral. Either way, when the server goes away the
 subscriber reconnects with backoff and continues after the last message it
 handed over.
 
-Snapshots (see `kvstream.consumers.broker`): read from the stream
+Snapshots (see `kvstream.consumers._broker`): read from the stream
 `snapshot_stream` (default `KV_SNAPSHOTS`) that a [`NatsSink`][kvstream.sinks.nats.NatsSink]
 with `snapshot_every`/`snapshot_interval` writes. On a cold start with
 snapshots found, the consumer starts at the stream sequence after the oldest
@@ -42,11 +42,8 @@ from typing import TYPE_CHECKING, Any, Final, Literal, Unpack
 import anyio
 import orjson
 
-from kvstream.consumers.base import Subscriber, SubscriberItem
-from kvstream.consumers.broker import BrokerSubscriber, ReaderOptions, reader_options
-from kvstream.errors import ConfigError, DecodeError, KVStreamError, TransportError
-from kvstream.wire import nats_client
-from kvstream.wire.broker import (
+from kvstream._wire import nats_client
+from kvstream._wire.broker import (
     DEFAULT_SNAPSHOT_STREAM,
     DEFAULT_SUBJECT_FILTER,
     HEARTBEAT_SUBJECT_PREFIX,
@@ -59,7 +56,10 @@ from kvstream.wire.broker import (
     snapshot_subjects,
     subject_covers,
 )
-from kvstream.wire.broker_client import closed_on_error, shown_url
+from kvstream._wire.broker_client import closed_on_error, shown_url
+from kvstream.consumers._broker import BrokerSubscriber, ReaderOptions, reader_options
+from kvstream.consumers.base import Subscriber, SubscriberItem
+from kvstream.errors import ConfigError, DecodeError, KVStreamError, TransportError
 
 if TYPE_CHECKING:
     from nats.aio.client import Client

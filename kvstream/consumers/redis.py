@@ -3,7 +3,7 @@
 `redis://HOST:PORT/STREAM[?group=NAME&consumer=NAME&start=ID]` (redis-py
 asyncio, extra `redis`). Every entry is turned back into its batch (codec
 from the `codec` field, name from `origin`/`epoch`/`seq`, see
-`kvstream.wire.broker`), continuity is checked per `(origin, epoch)`,
+`kvstream._wire.broker`), continuity is checked per `(origin, epoch)`,
 and batches and [`Gap`][kvstream.consumers.base.Gap] items are yielded in
 stream order.
 
@@ -25,7 +25,7 @@ below it).
   acknowledged) entries, then new ones. Delivery is at least once; the
   tracker drops repeats within one subscriber.
 
-Snapshots (see `kvstream.consumers.broker`; plain mode only): read from
+Snapshots (see `kvstream.consumers._broker`; plain mode only): read from
 the keys a [`RedisSink`][kvstream.sinks.redis.RedisSink] with
 `snapshot_every`/`snapshot_interval` writes beside `STREAM`. On a cold
 start with snapshots found, reading starts after the oldest snapshot's entry,
@@ -42,11 +42,8 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 import anyio
 
-from kvstream.consumers.base import Subscriber, SubscriberItem
-from kvstream.consumers.broker import BrokerSubscriber, ReaderOptions, reader_options
-from kvstream.errors import ConfigError, DecodeError, TransportError
-from kvstream.wire import redis_client
-from kvstream.wire.broker import (
+from kvstream._wire import redis_client
+from kvstream._wire.broker import (
     DEFAULT_REDIS_STREAM,
     Heartbeat,
     SnapshotInfo,
@@ -58,7 +55,10 @@ from kvstream.wire.broker import (
     redis_snapshot_index,
     redis_snapshot_key,
 )
-from kvstream.wire.broker_client import shown_url
+from kvstream._wire.broker_client import shown_url
+from kvstream.consumers._broker import BrokerSubscriber, ReaderOptions, reader_options
+from kvstream.consumers.base import Subscriber, SubscriberItem
+from kvstream.errors import ConfigError, DecodeError, TransportError
 
 if TYPE_CHECKING:
     # Named only in a string (the base class's type argument), which ruff does not see.

@@ -7,7 +7,7 @@
             elif isinstance(item, SnapshotBatch): ...  # the state up to item.seq
             else: ...                                 # the next EventBatch
 
-The subscriber says hello (`kvstream.wire.socket_protocol`), reads the
+The subscriber says hello (`kvstream._wire.socket_protocol`), reads the
 welcome, and then yields batches in order per origin. When the connection
 drops it reconnects with exponential backoff and asks for the batches after
 the last one it yielded, per origin and epoch, so within the sink's replay
@@ -35,20 +35,7 @@ import anyio.abc
 from anyio.abc import SocketAttribute
 from anyio.streams.tls import TLSStream
 
-from kvstream.consumers.base import (
-    Continuity,
-    Gap,
-    Liveness,
-    LivenessChange,
-    LivenessTracker,
-    SequenceTracker,
-    Subscriber,
-    SubscriberItem,
-    report_liveness,
-)
-from kvstream.errors import ClosedError, ConfigError, DecodeError, TransportError
-from kvstream.events import EventBatch, KVCacheEvent
-from kvstream.wire.socket_protocol import (
+from kvstream._wire.socket_protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
     FATAL_ERRORS,
     BatchMessage,
@@ -63,7 +50,20 @@ from kvstream.wire.socket_protocol import (
     parse_heartbeat,
     parse_welcome,
 )
-from kvstream.wire.socket_security import client_ssl_context, token_from_options
+from kvstream._wire.socket_security import client_ssl_context, token_from_options
+from kvstream.consumers.base import (
+    Continuity,
+    Gap,
+    Liveness,
+    LivenessChange,
+    LivenessTracker,
+    SequenceTracker,
+    Subscriber,
+    SubscriberItem,
+    report_liveness,
+)
+from kvstream.errors import ClosedError, ConfigError, DecodeError, TransportError
+from kvstream.events import EventBatch, KVCacheEvent
 
 if TYPE_CHECKING:
     from kvstream.config import Options, ParsedURL

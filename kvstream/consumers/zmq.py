@@ -6,7 +6,7 @@ without the scheme) and one sequence space. The subscriber connects a SUB to
 it (or binds, when the endpoint holds `*`, for publishers that connect to a
 central consumer) and, when it has a replay endpoint, a DEALER to that.
 
-Per publisher it keeps continuity (`kvstream.wire.vllm_zmq` reads the
+Per publisher it keeps continuity (`kvstream._wire.vllm_zmq` reads the
 frames):
 
 * **Start.** A publisher counts its batches from 0, so a fresh publisher first
@@ -64,8 +64,27 @@ from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, TypeAlias
 import anyio
 import msgspec
 
-from kvstream.codecs.dialects import DIALECTS
+from kvstream._wire.broker import Heartbeat
+from kvstream._wire.vllm_zmq import (
+    DEFAULT_HWM,
+    ReplayBatch,
+    endpoint_from_parts,
+    normalize_endpoint,
+    parse_live,
+    parse_replay_reply,
+    replay_request,
+)
+from kvstream._wire.zmq_recovery import (
+    HEARTBEAT_TOPIC,
+    SnapshotHead,
+    SnapshotMessage,
+    parse_heartbeat,
+    parse_snapshot_message,
+    snapshot_request,
+)
+from kvstream.codecs._dialects import DIALECTS
 from kvstream.codecs.msgpack import MsgpackCodec
+from kvstream.consumers._broker import as_snapshot_batch
 from kvstream.consumers.base import (
     Gap,
     Liveness,
@@ -75,7 +94,6 @@ from kvstream.consumers.base import (
     SubscriberItem,
     report_liveness,
 )
-from kvstream.consumers.broker import as_snapshot_batch
 from kvstream.errors import (
     ClosedError,
     ConfigError,
@@ -86,24 +104,6 @@ from kvstream.errors import (
 from kvstream.events import EventBatch, KVCacheEvent
 from kvstream.media import MEDIA_POLICIES
 from kvstream.sinks.burst_log import BurstLog
-from kvstream.wire.broker import Heartbeat
-from kvstream.wire.vllm_zmq import (
-    DEFAULT_HWM,
-    ReplayBatch,
-    endpoint_from_parts,
-    normalize_endpoint,
-    parse_live,
-    parse_replay_reply,
-    replay_request,
-)
-from kvstream.wire.zmq_recovery import (
-    HEARTBEAT_TOPIC,
-    SnapshotHead,
-    SnapshotMessage,
-    parse_heartbeat,
-    parse_snapshot_message,
-    snapshot_request,
-)
 
 try:
     import zmq

@@ -7,9 +7,9 @@ stream has cached, per tier and scored by tier weights (`PrefixIndex.match()`).
 `kvstream index URL` serves it over HTTP.
 """
 
-from kvstream.index.hashing import BlockHasher
-from kvstream.index.keys import vllm_extra_keys
-from kvstream.index.prefix import (
+from kvstream.index._hashing import BlockHasher
+from kvstream.index._keys import vllm_extra_keys
+from kvstream.index._prefix import (
     DEFAULT_TIER_WEIGHTS,
     IndexStatistics,
     OriginStatistics,

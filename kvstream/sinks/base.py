@@ -12,7 +12,7 @@ transport has a lifetime. Everything else lives here:
   visible gap in `seq` downstream);
 * **encoding**, when the batch is offered (on the scheduler's tick): once per
   codec per batch, shared by every sink of the scheduler that uses an equal codec
-  (`kvstream.sinks.encoding`), so the outbox holds encoded bytes and is
+  (`kvstream.sinks._encoding`), so the outbox holds encoded bytes and is
   bounded by what they cost;
 * the **inline write**: a sink whose transport can take a batch without waiting
   (`Sink.send_nowait()`: a ZMQ socket with room, an in-process queue) is
@@ -42,7 +42,7 @@ from kvstream.codecs.base import Codec, Refusal
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ClosedError, ConfigError
 from kvstream.events import EventBatch
-from kvstream.sinks.encoding import SharedEncoding
+from kvstream.sinks._encoding import SharedEncoding
 
 __all__ = [
     "DEFAULT_MAX_BATCHES",

@@ -2,7 +2,7 @@
 
 `nats://HOST:PORT/SUBJECT?stream=NAME&create=true` (nats-py, extra `nats`).
 Each batch is published to `SUBJECT` (default `kv.events.<origin>`, see
-`kvstream.wire.broker`) with its name in headers and
+`kvstream._wire.broker`) with its name in headers and
 `Nats-Msg-Id: <origin>:<epoch>:<seq>`; the sink waits for JetStream's ack
 before the next batch, so batches are stored in order. When the server goes
 away the connection closes, `send` fails, and the base class retries the
@@ -21,7 +21,7 @@ seconds): the sink keeps the state of the batches JetStream acknowledged
 (`SinkSnapshots`) and, when one is due, publishes
 the origin's snapshot to the stream `snapshot_stream` (default
 `KV_SNAPSHOTS`, created when missing), which keeps the latest per origin
-(see `kvstream.wire.broker` and `docs/recovery.md`). Heartbeats
+(see `kvstream._wire.broker` and `docs/recovery.md`). Heartbeats
 (opt-in: `heartbeat=T` seconds): every origin that delivered nothing for
 `T` seconds announces its epoch and last seq on `kv.heartbeat.<origin>`
 (core NATS, not stored).
@@ -39,13 +39,8 @@ import anyio.lowlevel
 import orjson
 from anyio.abc import TaskGroup
 
-from kvstream.codecs.json import JsonCodec
-from kvstream.errors import ConfigError, TransportError
-from kvstream.events import EventBatch
-from kvstream.sinks.base import Sink
-from kvstream.state import DEFAULT_MAX_BYTES
-from kvstream.wire import nats_client
-from kvstream.wire.broker import (
+from kvstream._wire import nats_client
+from kvstream._wire.broker import (
     DEFAULT_NATS_STREAM,
     DEFAULT_SNAPSHOT_STREAM,
     DEFAULT_SUBJECT_FILTER,
@@ -65,7 +60,12 @@ from kvstream.wire.broker import (
     snapshot_envelope,
     snapshot_subjects,
 )
-from kvstream.wire.broker_client import closed_on_error, shown_url
+from kvstream._wire.broker_client import closed_on_error, shown_url
+from kvstream.codecs.json import JsonCodec
+from kvstream.errors import ConfigError, TransportError
+from kvstream.events import EventBatch
+from kvstream.sinks.base import Sink
+from kvstream.state import DEFAULT_MAX_BYTES
 
 if TYPE_CHECKING:
     from nats.aio.client import Client

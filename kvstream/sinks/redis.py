@@ -2,7 +2,7 @@
 
 `redis://HOST:PORT/STREAM?maxlen=N` (redis-py asyncio, extra `redis`).
 Each batch is one `XADD` with the fields `payload`, `origin`, `epoch`,
-`seq` and `codec` (see `kvstream.wire.broker`), trimmed with
+`seq` and `codec` (see `kvstream._wire.broker`), trimmed with
 `MAXLEN ~ N` when `maxlen` is given. Several queued batches go out in one
 `MULTI`/`EXEC` round trip (up to `RedisSink.max_coalesce`): all of
 them are added or none.
@@ -37,13 +37,8 @@ import anyio
 import anyio.lowlevel
 from anyio.abc import TaskGroup
 
-from kvstream.codecs.json import JsonCodec
-from kvstream.errors import ConfigError, DecodeError, TransportError
-from kvstream.events import EventBatch
-from kvstream.sinks.base import Sink
-from kvstream.state import DEFAULT_MAX_BYTES
-from kvstream.wire import redis_client
-from kvstream.wire.broker import (
+from kvstream._wire import redis_client
+from kvstream._wire.broker import (
     DEFAULT_REDIS_STREAM,
     BatchKey,
     Heartbeat,
@@ -59,7 +54,12 @@ from kvstream.wire.broker import (
     sink_snapshot_options,
     snapshot_envelope,
 )
-from kvstream.wire.broker_client import shown_url
+from kvstream._wire.broker_client import shown_url
+from kvstream.codecs.json import JsonCodec
+from kvstream.errors import ConfigError, DecodeError, TransportError
+from kvstream.events import EventBatch
+from kvstream.sinks.base import Sink
+from kvstream.state import DEFAULT_MAX_BYTES
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis

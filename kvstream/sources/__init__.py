@@ -1,6 +1,6 @@
 """Sources: async iterables of events, and adapters for vLLM-style connectors."""
 
-from kvstream.sources.base import (
+from kvstream.sources._base import (
     AsyncSource,
     PolledConnector,
     SourceHandle,

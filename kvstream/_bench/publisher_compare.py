@@ -1,0 +1,347 @@
+"""The drop-in `EventPublisher` against a publisher that behaves as vLLM's (issue 12, 1 and 2).
+
+Both are driven the way vLLM's scheduler drives its publisher: `publish(batch)`
+once per step from the engine's thread, with vLLM's event structs (the same
+pre-built batches for both, converted from the workload before anything is
+timed), publishing on TCP with a replay ROUTER to a subscriber in another
+process that only counts frames (`kvstream._bench.frame_counter`).
+
+* **Target 1, a tight step loop.** Sender events/s from the first `publish`
+  until the last batch has left the socket; `publish()` wall time in the
+  caller (median); sender CPU per event (`time.process_time()`, every
+  thread of the process: the loop's, the publisher's, ZMQ's I/O thread).
+* **Target 2, a busy engine.** The engine's thread does about 2 ms of Python
+  work per step (calibrated once, alone) and then publishes 16 or 256 events.
+  What a publisher costs such an engine is the GIL its own thread holds: the
+  row is the engine's steps/s with each publisher, and without one (the limit).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvstream._bench.frame_counter import CounterProcess
+from kvstream._bench.measure import Meter, Sample, percentile, summarize
+from kvstream._bench.results import Result, Row, Target
+from kvstream._bench.sizes import Sizes
+from kvstream._bench.workload import batches
+from kvstream.events import KVCacheEvent
+
+__all__ = ["bench_publisher", "busy_work", "calibrate_busy_work"]
+
+Progress = Callable[[], None]
+
+#: Python work per engine step in the busy-engine case (seconds).
+STEP_WORK = 0.002
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def busy_work(loops: int) -> int:
+    """Pure Python work, as an engine's scheduler step does: no I/O, holds the GIL."""
+    total = 0
+    for i in range(loops):
+        total += i * i % 7
+    return total
+
+
+def calibrate_busy_work(seconds: float = STEP_WORK) -> int:
+    """How many `busy_work()` loops take `seconds` on this machine, alone."""
+    loops = 1000
+    while True:
+        start = time.perf_counter()
+        busy_work(loops)
+        took = time.perf_counter() - start
+        if took > 0.02:
+            break
+        loops *= 2
+    per_loop = min(_timed(busy_work, loops) for _ in range(5)) / loops
+    return max(int(seconds / per_loop), 1)
+
+
+def _timed(fn: Callable[[int], object], arg: int) -> float:
+    start = time.perf_counter()
+    fn(arg)
+    return time.perf_counter() - start
+
+
+# -- the two publishers, behind one small interface ----------------------------------------
+
+
+class _Baseline:
+    name = "vLLM-design publisher"
+
+    def __init__(self, endpoint: str) -> None:
+        from kvstream._bench.vllm_baseline import VllmStylePublisher
+
+        self.pub = VllmStylePublisher(endpoint, replay_endpoint="tcp://127.0.0.1:*", bind=True)
+        self.publish = self.pub.publish
+
+    def expect(self, events: int) -> None:
+        self.pub.expect(events)
+
+    def wait_sent(self) -> None:
+        if not self.pub.wait_sent(120.0):
+            raise TimeoutError("the vLLM-design publisher did not send everything")
+
+    def close(self) -> None:
+        self.pub.close()
+
+
+class _DropIn:
+    name = "kvstream EventPublisher"
+
+    def __init__(self, endpoint: str) -> None:
+        from kvstream.publisher import EventPublisher
+
+        self.pub = EventPublisher.from_kv_events_config(
+            {"endpoint": endpoint, "replay_endpoint": "tcp://127.0.0.1:*"},
+            origin="bench-0",
+            sink_options={"bind": True},
+        )
+        self.sink = self.pub.scheduler.sinks[0]
+        self.publish = self.pub.publish
+        self._target = 0
+
+    def expect(self, events: int) -> None:
+        self._target = self.sink.statistics().events_out + events
+
+    def wait_sent(self) -> None:
+        # Wait without polling while steps are queued (the baseline waits on an Event
+        # too): flush() returns once the loop has worked through every step, each
+        # written inline or queued; then poll for what a full pipe left queued.
+        self.pub.flush(120.0)
+        deadline = time.monotonic() + 120.0
+        stats = self.sink.statistics
+        while stats().events_out < self._target:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the drop-in publisher did not send everything")
+            time.sleep(0.0005)
+
+    def close(self) -> None:
+        self.pub.shutdown()
+
+
+_Publisher = _Baseline | _DropIn
+
+
+def _tight_run(
+    make: Callable[[], _Publisher], counter: CounterProcess, vbatches: list[Any], probe: Any
+) -> Sample:
+    pub = make()
+    try:
+        counter.wait_ready(lambda: pub.publish(probe))
+        events = sum(len(b.events) for b in vbatches)
+        pub.expect(events)
+        publish = pub.publish
+        clock = time.perf_counter
+        costs: list[float] = []
+        add = costs.append
+        meter = Meter()
+        for batch in vbatches:
+            start = clock()
+            publish(batch)
+            add(clock() - start)
+        pub.wait_sent()
+        sample = meter.stop(events)
+        got = int(counter.counts_when(len(vbatches)).get("messages", 0))
+    finally:
+        pub.close()
+    return Sample(
+        sample.wall,
+        sample.cpu,
+        sample.events,
+        extra={
+            "publish_p50_us": statistics.median(costs) * 1e6,
+            "publish_p99_us": percentile(costs, 99) * 1e6,
+            "received": got,
+            "sent": len(vbatches),
+        },
+    )
+
+
+def _busy_run(
+    make: Callable[[], _Publisher] | None,
+    counter: CounterProcess,
+    vbatches: list[Any],
+    probe: Any,
+    loops: int,
+) -> float:
+    """Engine steps per second: `loops` of Python work, then one publish, per step."""
+    pub = make() if make is not None else None
+    try:
+        if pub is not None:
+            counter.wait_ready(lambda: pub.publish(probe))
+        publish = pub.publish if pub is not None else None
+        start = time.perf_counter()
+        for batch in vbatches:
+            busy_work(loops)
+            if publish is not None:
+                publish(batch)
+        took = time.perf_counter() - start
+        if pub is not None:
+            pub.expect(0)
+    finally:
+        if pub is not None:
+            pub.close()
+    return len(vbatches) / took
+
+
+async def bench_publisher(
+    pool: list[KVCacheEvent], sizes: Sizes, progress: Progress | None = None
+) -> Result:
+    """Issue 12 targets 1 and 2: the drop-in against the vLLM-design publisher, one run."""
+    result = Result("publisher", "Drop-in EventPublisher against vLLM's publisher design")
+    try:
+        import zmq  # noqa: F401
+
+        from kvstream._bench.vllm_baseline import to_vllm_batch
+    except ImportError as exc:
+        result.skipped = f"not available: {exc}"
+        return result
+    base_endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    kv_endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    counters = {
+        "baseline": CounterProcess("zmq", base_endpoint),
+        "kvstream": CounterProcess("zmq", kv_endpoint),
+    }
+    makers: dict[str, Callable[[], _Publisher]] = {
+        "baseline": lambda: _Baseline(base_endpoint),
+        "kvstream": lambda: _DropIn(kv_endpoint),
+    }
+    probe = to_vllm_batch(batches(pool, 1, 1)[0], rank=False)
+    runs, warmup = sizes.runs, sizes.warmup
+    try:
+        # -- target 1: a tight step loop ------------------------------------------------
+        for n in sizes.zmq_batch_sizes:
+            count = min(max(sizes.zmq_events // n, 16), 20_000)
+            cache: dict[int, Any] = {}
+            vbatches = [to_vllm_batch(b, cache, rank=False) for b in batches(pool, n, count)]
+            samples: dict[str, list[Sample]] = {"baseline": [], "kvstream": []}
+            names = list(samples)
+            for r in range(warmup + runs):
+                order = names[r % 2 :] + names[: r % 2]
+                for name in order:
+                    sample = _tight_run(makers[name], counters[name], vbatches, probe)
+                    if r >= warmup:
+                        samples[name].append(sample)
+                        if progress is not None:
+                            progress()
+            base, kvs = samples["baseline"], samples["kvstream"]
+            rate = statistics.median(
+                k.events_per_s / b.events_per_s for k, b in zip(kvs, base, strict=True)
+            )
+            cpu = statistics.median(
+                k.cpu_us_per_event / b.cpu_us_per_event for k, b in zip(kvs, base, strict=True)
+            )
+
+            def p50(runs_: list[Sample]) -> float:
+                return statistics.median(float((s.extra or {})["publish_p50_us"]) for s in runs_)
+
+            def p99(runs_: list[Sample]) -> float:
+                return statistics.median(float((s.extra or {})["publish_p99_us"]) for s in runs_)
+
+            def got(runs_: list[Sample]) -> str:
+                received = sum(int((s.extra or {})["received"]) for s in runs_)
+                sent = sum(int((s.extra or {})["sent"]) for s in runs_)
+                return f"subscriber got {received}/{sent} batches"
+
+            sb, sk = summarize(base), summarize(kvs)
+            result.rows.append(
+                Row(
+                    "publisher",
+                    "vLLM-design publisher (baseline)",
+                    f"{n}/batch",
+                    sb.events_per_s,
+                    cpu_us_per_event=sb.cpu_us_per_event,
+                    p50_us=p50(base),
+                    p99_us=p99(base),
+                    note=f"publish() p50/p99 in the caller; {got(base)}",
+                )
+            )
+            result.rows.append(
+                Row(
+                    "publisher",
+                    "kvstream EventPublisher (drop-in)",
+                    f"{n}/batch",
+                    sk.events_per_s,
+                    "vLLM-design",
+                    rate,
+                    sk.cpu_us_per_event,
+                    p50_us=p50(kvs),
+                    p99_us=p99(kvs),
+                    note=f"CPU/event ratio {cpu:.2f}; {got(kvs)}",
+                )
+            )
+            result.data[f"rate_ratio_{n}"] = rate
+            result.data[f"cpu_ratio_{n}"] = cpu
+            result.targets.append(
+                Target(f"drop-in events/s over vLLM design at {n}/batch", rate, 1.0, ">=")
+            )
+            result.targets.append(
+                Target(f"drop-in publish() p50 at {n}/batch", p50(kvs), 3.0, "<=", "us")
+            )
+            result.targets.append(
+                Target(f"drop-in sender CPU/event over vLLM design at {n}/batch", cpu, 1.0, "<=")
+            )
+        # -- target 2: a busy engine ----------------------------------------------------
+        loops = calibrate_busy_work()
+        steps = min(max(sizes.zmq_events // 200, 25), 500)
+        for n in (16, 256):
+            cache = {}
+            vbatches = [to_vllm_batch(b, cache, rank=False) for b in batches(pool, n, steps)]
+            rates: dict[str, list[float]] = {"none": [], "baseline": [], "kvstream": []}
+            names = list(rates)
+            for r in range(warmup + runs):
+                order = names[r % 3 :] + names[: r % 3]
+                for name in order:
+                    maker = None if name == "none" else makers[name]
+                    counter = counters["baseline" if name == "none" else name]
+                    steps_per_s = _busy_run(maker, counter, vbatches, probe, loops)
+                    if r >= warmup:
+                        rates[name].append(steps_per_s)
+                        if progress is not None:
+                            progress()
+            ratio = statistics.median(
+                k / b for k, b in zip(rates["kvstream"], rates["baseline"], strict=True)
+            )
+            for name, case in (
+                ("none", "engine alone (no publisher: the limit)"),
+                ("baseline", "engine + vLLM-design publisher (baseline)"),
+                ("kvstream", "engine + kvstream EventPublisher"),
+            ):
+                steps_rate = statistics.median(rates[name])
+                result.rows.append(
+                    Row(
+                        "publisher",
+                        case,
+                        f"busy 2 ms, {n}/step",
+                        steps_rate * n,
+                        "vLLM-design" if name == "kvstream" else "",
+                        ratio if name == "kvstream" else None,
+                        note=f"{steps_rate:.1f} steps/s ({steps} steps of {loops} loops)",
+                    )
+                )
+            result.data[f"busy_ratio_{n}"] = ratio
+            result.targets.append(
+                Target(
+                    f"busy engine steps/s with the drop-in over vLLM design, {n}/step",
+                    ratio,
+                    1.0,
+                    ">=",
+                )
+            )
+    finally:
+        for counter in counters.values():
+            counter.close()
+    return result

@@ -1,0 +1,336 @@
+"""`kvstream index`: follow a stream into a prefix index and answer queries over HTTP.
+
+`kvstream index URL` reads batches from any subscriber URL (a JSON-lines file,
+followed as it grows; ZMQ, NATS, Redis, ...), keeps a
+[`PrefixIndex`][kvstream.index._prefix.PrefixIndex] and serves `POST /match` and
+`GET /stats` on 127.0.0.1. It runs until Ctrl-C or SIGTERM, and keeps
+answering from what it has if the stream ends.
+
+With `--state FILE` the index is loaded from FILE at start (when it exists),
+saved every `--save-interval` seconds and on shutdown (written to a temporary
+file, then renamed over FILE), so a restarted router is warm.
+
+`kvstream index --demo` routes simulated requests over a simulated fleet (DP
+ranks, restarts, an engine lost) with the tier-weighted index, the index on GPU
+alone, and at random, and prints the hit rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from kvstream._cli.longrun import add_metrics_option, metrics_token, open_metrics
+from kvstream._wire.socket_security import read_token
+from kvstream.config import open_subscriber, parse_url
+from kvstream.consumers.base import Gap
+from kvstream.errors import ConfigError
+from kvstream.index._demo import RoutingResult, compare_routing
+from kvstream.index._http import QueryServer
+from kvstream.index._prefix import PrefixIndex
+
+__all__ = ["register", "run"]
+
+DEFAULT_PORT = 5690
+
+EXAMPLES = """\
+examples:
+  kvstream index kv.jsonl                         follow a file, serve on 127.0.0.1:5690
+  kvstream index zmq+tcp://127.0.0.1:5557 --port 0
+  curl -s localhost:5690/match -d '{"token_ids": [1, 2, 3, 4]}'
+  curl -s localhost:5690/stats
+  kvstream index kv.jsonl --state index.state     warm after a restart
+  curl -s localhost:5690/match -H 'Content-Type: application/octet-stream' \
+       --data-binary @tokens.u32                    tokens as uint32 little-endian
+  kvstream index --demo --engines 4 --requests 2000
+"""
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "index",
+        help="follow a stream into a prefix index; answer /match and /stats over HTTP",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("url", nargs="?", metavar="URL", help="the stream to follow (a subscriber URL)")
+    p.add_argument("--block-size", type=int, default=16, help="the engines' block size (16)")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (127.0.0.1)")
+    p.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"port; 0 = any free port ({DEFAULT_PORT})"
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="largest request body accepted (4194304)",
+    )
+    p.add_argument(
+        "--token-env",
+        metavar="NAME",
+        default=None,
+        help="environment variable holding a bearer token queries must send "
+        "(required to listen beyond loopback)",
+    )
+    p.add_argument(
+        "--token-file", metavar="PATH", default=None, help="file holding that bearer token"
+    )
+    p.add_argument("--seed", type=int, default=0, help="the index's hash seed; the demo's too (0)")
+    p.add_argument(
+        "--state",
+        metavar="FILE",
+        default=None,
+        help="load the index from FILE at start; save it there periodically and on shutdown",
+    )
+    p.add_argument(
+        "--save-interval",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="with --state: seconds between saves (60)",
+    )
+    p.add_argument(
+        "--ttl",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="drop a stream after this long without a batch (default: never)",
+    )
+    p.add_argument(
+        "--max-blocks",
+        type=int,
+        default=None,
+        help="bound the (stream, block) entries; the least recently stored go first",
+    )
+    p.add_argument(
+        "--tier-weight",
+        action="append",
+        default=[],
+        metavar="MEDIUM=W",
+        help="weight of a block on MEDIUM in match scores (repeatable; "
+        "defaults GPU=1, CPU=0.8, DISK=0.5, EXTERNAL=0.3)",
+    )
+    p.add_argument("--demo", action="store_true", help="compare index and random routing")
+    p.add_argument("--engines", type=int, default=4, help="demo: simulated engines (4)")
+    p.add_argument("--requests", type=int, default=2000, help="demo: requests routed (2000)")
+    p.add_argument("--gpu-blocks", type=int, default=1024, help="demo: GPU blocks per engine")
+    p.add_argument("--ranks", type=int, default=2, help="demo: data-parallel ranks per engine (2)")
+    add_metrics_option(p)
+    p.set_defaults(func=run)
+
+
+async def run(args: argparse.Namespace) -> int:
+    if args.demo:
+        if args.url:
+            raise ConfigError(f"--demo takes no URL, got {args.url!r}")
+        return _demo(args)
+    if not args.url:
+        raise ConfigError(
+            "URL: expected the stream to follow (file:PATH, zmq+tcp://..., nats://..., "
+            "redis://...), or --demo"
+        )
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port: expected 0-65535, got {args.port}")
+    if args.save_interval <= 0:
+        raise ConfigError(f"--save-interval: expected seconds > 0, got {args.save_interval}")
+    index = PrefixIndex(
+        block_size=args.block_size,
+        seed=args.seed,
+        ttl=args.ttl,
+        max_blocks=args.max_blocks,
+        tier_weights=_weights(args.tier_weight),
+    )
+    state_path = Path(args.state) if args.state else None
+    if state_path is not None and state_path.exists():
+        try:
+            data = state_path.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"--state: cannot read {state_path}: {exc}") from exc
+        index.load(data)
+        stats = index.statistics()
+        print(
+            f"kvstream index: loaded {state_path}: {stats.distinct_blocks:,} blocks over "
+            f"{len(stats.origins)} stream(s)",
+            file=sys.stderr,
+        )
+    kwargs: dict[str, Any] = {"follow": True} if parse_url(args.url).scheme == "file" else {}
+    subscriber = open_subscriber(args.url, **kwargs)
+    stopped_by: str | None = None
+    async with (
+        open_metrics(args.metrics, command="index", token=metrics_token(args)) as metrics,
+        subscriber,
+        QueryServer(
+            index,
+            host=args.host,
+            port=args.port,
+            max_request_bytes=args.max_request_bytes,
+            token=read_token(env=args.token_env, file=args.token_file, where="kvstream index"),
+        ) as server,
+        anyio.create_task_group() as tg,
+    ):
+        if metrics is not None:
+            metrics.collector.add(index, kind="index")
+        print(
+            f"kvstream index: following {args.url}; serving {server.url}/ "
+            "(POST /match, GET /stats)",
+            flush=True,
+        )
+
+        async def watch_signals() -> None:
+            nonlocal stopped_by
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    stopped_by = signal.Signals(signum).name
+                    tg.cancel_scope.cancel()
+                    return
+
+        async def follow() -> None:
+            iterator = aiter(subscriber)
+            try:
+                async for item in iterator:
+                    if isinstance(item, Gap):
+                        print(
+                            f"kvstream index: {item.origin}: batches {item.first_missing}.."
+                            f"{item.next_seq - 1} missing ({item.reason}); marked stale",
+                            file=sys.stderr,
+                        )
+                    index.apply(item)
+            finally:
+                aclose = getattr(iterator, "aclose", None)
+                if aclose is not None:
+                    with anyio.CancelScope(shield=True):
+                        await aclose()
+            print("kvstream index: the stream ended; still serving", file=sys.stderr)
+
+        async def keep_alive() -> None:
+            """Publishers heard from (their heartbeats, with `?heartbeats=true`) keep
+            their streams alive under --ttl while idle; one gone stops, and expires."""
+            liveness = getattr(subscriber, "liveness", None)
+            if liveness is None or args.ttl is None:
+                return
+            while True:
+                await anyio.sleep(min(args.ttl / 4, 1.0))
+                for origin, heard in liveness().items():
+                    if heard.alive and heard.interval is not None:
+                        index.heartbeat(origin, ...)
+
+        async def save_periodically() -> None:
+            assert state_path is not None
+            while True:
+                await anyio.sleep(args.save_interval)
+                data = index.dump()  # between two batches: consistent per stream
+                try:
+                    await anyio.to_thread.run_sync(_write_state, state_path, data)
+                except ConfigError as exc:  # a full disk must not stop the index
+                    print(f"kvstream index: {exc}; will retry", file=sys.stderr)
+
+        tg.start_soon(watch_signals)
+        tg.start_soon(follow)
+        tg.start_soon(keep_alive)
+        if state_path is not None:
+            tg.start_soon(save_periodically)
+    if state_path is not None:
+        started = time.perf_counter()
+        _write_state(state_path, index.dump())
+        print(
+            f"kvstream index: saved {state_path} ({time.perf_counter() - started:.2f} s)",
+            file=sys.stderr,
+        )
+    stats = index.statistics()
+    if stopped_by:
+        print(f"kvstream index: stopped by {stopped_by}", file=sys.stderr)
+    print(
+        f"kvstream index: {stats.batches:,} batches, {stats.distinct_blocks:,} blocks "
+        f"over {len(stats.origins)} origin(s); {server.requests:,} queries served",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _weights(pairs: list[str]) -> dict[str, float] | None:
+    if not pairs:
+        return None
+    from kvstream.index._prefix import DEFAULT_TIER_WEIGHTS
+
+    out = dict(DEFAULT_TIER_WEIGHTS)
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = -1.0
+        if not sep or not name or not 0 <= weight < float("inf"):
+            raise ConfigError(f"--tier-weight: expected MEDIUM=WEIGHT (WEIGHT >= 0), got {pair!r}")
+        out[name] = weight
+    return out
+
+
+def _write_state(path: Path, data: bytes) -> None:
+    """Write `data` to `path` whole or not at all (a temporary file, then a rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise ConfigError(f"--state: cannot write {path}: {exc}") from exc
+
+
+def _describe(result: RoutingResult) -> str:
+    return (
+        f"  {result.policy + ' routing':<19}: hit rate {100 * result.hit_rate:5.1f}% on GPU, "
+        f"{100 * result.reusable_rate:5.1f}% reusable on any tier "
+        f"({result.blocks_hit:,} / {result.blocks_reusable:,} of {result.blocks_requested:,} "
+        f"prompt blocks); misrouted to the lost engine {result.misrouted}"
+    )
+
+
+def _demo(args: argparse.Namespace) -> int:
+    quiet = logging.getLogger("kvstream.index")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # expiries are expected here: the summary counts them
+    try:
+        results = compare_routing(
+            engines=args.engines,
+            requests=args.requests,
+            seed=args.seed,
+            block_size=args.block_size,
+            gpu_blocks=args.gpu_blocks,
+            ranks=args.ranks,
+        )
+    finally:
+        quiet.setLevel(level)
+    print(
+        f"kvstream index demo: {args.engines} simulated engines x {args.ranks} DP ranks, "
+        f"{args.requests:,} requests (seed {args.seed}, block size {args.block_size}, "
+        f"{args.gpu_blocks} GPU blocks each); a rank restarts every {max(args.requests // 5, 1)} "
+        "requests (late batches of its old epoch follow), engine-0 is lost at mid-run"
+    )
+    for result in results:
+        print(_describe(result))
+    stats = results[0].index
+    if stats is not None:
+        tiers: dict[str, int] = {}
+        for origin in stats.origins.values():
+            for medium, n in origin.by_medium.items():
+                tiers[medium] = tiers.get(medium, 0) + n
+        per_tier = ", ".join(f"{m} {n:,}" for m, n in tiers.items())
+        mean = 1e6 * results[0].match_seconds / results[0].matches if results[0].matches else 0.0
+        print(
+            f"  index: {len(stats.origins)} live streams, {stats.distinct_blocks:,} distinct "
+            f"blocks ({per_tier}), about {stats.memory_bytes / 2**20:.1f} MiB; "
+            f"{stats.restarts} restarts, {stats.retired_epoch_batches} late batches of retired "
+            f"epochs dropped, {stats.expired} streams expired (ttl); mean match {mean:.0f} µs"
+        )
+    return 0

@@ -1,0 +1,157 @@
+"""What the long-running commands share: `--metrics ADDR` and the progress line.
+
+A command that runs until stopped (`demo`, `relay`, `tail`, `index`,
+`bench`) adds the option in its `register`:
+
+    add_metrics_option(parser)
+
+and, in `run`, serves its objects' statistics while it works:
+
+    async with open_metrics(args.metrics, command="relay") as metrics:
+        async with Scheduler(...) as scheduler:
+            if metrics is not None:
+                metrics.collector.add(scheduler)
+                metrics.collector.add(subscriber, kind="subscriber")
+            ...
+
+(Open the metrics server outside the scheduler, so it is still listening while
+the scheduler closes, and a closing scheduler never cancels it.)
+
+and shows a progress line on stderr when stderr is a terminal:
+
+    progress = Progress("relay", lambda: f"{n:,} batches")
+    tg.start_soon(progress.run)    # returns at once when stderr is not a TTY
+    ...
+    progress.clear()               # before printing the final summary
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, TextIO
+
+import anyio
+
+from kvstream._wire.socket_security import read_token
+
+if TYPE_CHECKING:
+    from kvstream.metrics import MetricsServer
+
+__all__ = ["Progress", "add_metrics_option", "metrics_token", "open_metrics"]
+
+
+def add_metrics_option(parser: argparse.ArgumentParser) -> None:
+    """Add `--metrics ADDR` to a subcommand's parser."""
+    parser.add_argument(
+        "--metrics",
+        metavar="ADDR",
+        default=None,
+        help="serve Prometheus metrics at http://ADDR/metrics while running, "
+        "e.g. 127.0.0.1:9464 or :0 (needs kvstream-events[metrics])",
+    )
+    parser.add_argument(
+        "--metrics-token-env",
+        metavar="NAME",
+        default=None,
+        help="environment variable holding a bearer token scrapers must send "
+        "(required to serve metrics beyond loopback)",
+    )
+    parser.add_argument(
+        "--metrics-token-file",
+        metavar="PATH",
+        default=None,
+        help="file holding that bearer token (instead of --metrics-token-env)",
+    )
+
+
+def metrics_token(args: argparse.Namespace) -> str | None:
+    """The bearer token `--metrics-token-env` / `--metrics-token-file` name, or None."""
+    return read_token(
+        env=getattr(args, "metrics_token_env", None),
+        file=getattr(args, "metrics_token_file", None),
+        where="--metrics",
+    )
+
+
+@asynccontextmanager
+async def open_metrics(
+    address: str | None, *targets: object, command: str, token: str | None = None
+) -> AsyncIterator[MetricsServer | None]:
+    """Serve the targets' statistics at `address` (yields None when it is None).
+
+    Prints the URL on stderr. Add more targets later with
+    `server.collector.add(...)`.
+    """
+    if not address:
+        yield None
+        return
+    from kvstream.metrics import MetricsServer, StatisticsCollector
+
+    async with MetricsServer(StatisticsCollector(*targets), address, token=token) as server:
+        print(f"kvstream {command}: metrics on {server.url}", file=sys.stderr, flush=True)
+        yield server
+
+
+class Progress:
+    """A status line on stderr, rewritten in place once a second.
+
+    Shown only when the stream is a terminal (`enabled` overrides). `render`
+    is called once per refresh, never per event, so the line costs nothing on
+    the hot path.
+    """
+
+    def __init__(
+        self,
+        command: str,
+        render: Callable[[], str],
+        *,
+        stream: TextIO | None = None,
+        interval: float = 1.0,
+        enabled: bool | None = None,
+    ) -> None:
+        self.command = command
+        self.render = render
+        self.stream = stream if stream is not None else sys.stderr
+        self.interval = interval
+        if enabled is None:
+            isatty = getattr(self.stream, "isatty", None)
+            enabled = bool(isatty and isatty())
+        self.enabled = enabled
+        self.started = time.perf_counter()
+        self._shown = False
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds since the progress line was created."""
+        return time.perf_counter() - self.started
+
+    def show(self) -> None:
+        """Rewrite the line now."""
+        if not self.enabled:
+            return
+        text = f"kvstream {self.command}: {self.render()}"
+        self.stream.write(f"\r{text}\x1b[K")
+        self.stream.flush()
+        self._shown = True
+
+    def clear(self) -> None:
+        """Erase the line (call before printing the summary). Idempotent."""
+        if self._shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self._shown = False
+
+    async def run(self) -> None:
+        """Refresh every `interval` seconds until cancelled; erases the line on exit."""
+        if not self.enabled:
+            return
+        try:
+            while True:
+                await anyio.sleep(self.interval)
+                self.show()
+        finally:
+            self.clear()

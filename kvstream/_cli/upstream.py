@@ -1,0 +1,117 @@
+"""Reaching an upstream from the command line: the same behaviour on every transport.
+
+* `open_upstream` enters a subscriber, retrying with exponential backoff
+  while its upstream cannot be reached: one clear line on the first failure,
+  every attempt logged (`-v` shows them), `retry=False` (`--no-retry`)
+  raises at once. Once connected, the subscriber's own reconnect rules apply
+  (a socket subscriber resumes after a drop unless `--no-retry`).
+* `refuse_foreign_file` refuses, with one line, a file whose first line is not
+  a kvstream batch, instead of skipping every line of it.
+* `bind_rule` says whether a ZMQ URL binds or connects, and why, for banners
+  and for the "nothing arrived" hint.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Final
+
+import anyio
+
+from kvstream._wire.vllm_zmq import should_bind
+from kvstream.codecs.json import JsonCodec
+from kvstream.consumers.base import Subscriber
+from kvstream.errors import DecodeError, KVStreamError, TransportError
+
+__all__ = ["RETRY_INITIAL", "RETRY_MAX", "bind_rule", "open_upstream", "refuse_foreign_file"]
+
+log = logging.getLogger("kvstream.cli")
+
+#: Seconds before the second attempt; doubled per failure up to `RETRY_MAX`.
+RETRY_INITIAL: Final = 0.5
+RETRY_MAX: Final = 5.0
+#: How much of a file is read to find its first line.
+_FIRST_LINE_LIMIT: Final = 16 << 20
+
+
+@asynccontextmanager
+async def open_upstream(
+    make: Callable[[], Subscriber],
+    *,
+    url: str,
+    command: str,
+    retry: bool = True,
+    initial: float = RETRY_INITIAL,
+    maximum: float = RETRY_MAX,
+) -> AsyncIterator[Subscriber]:
+    """Enter the subscriber `make()` builds, retrying while `url` is unreachable.
+
+    `make` is called once per attempt (a subscriber is entered once). A
+    [`TransportError`][kvstream.errors.TransportError] on entering is retried after
+    `initial` seconds, doubling up to `maximum`, unless the peer answered and
+    refused (its cause is a kvstream error); any other error, and every failure
+    when `retry` is false, propagates.
+    """
+    attempt = 0
+    while True:
+        attempt += 1
+        sub = make()
+        stack = AsyncExitStack()
+        try:
+            await stack.enter_async_context(sub)
+        except TransportError as exc:
+            # A peer that answered and refused (a protocol error: bad token, from_seq
+            # ahead) will refuse again: only an unreachable upstream is retried.
+            if not retry or isinstance(exc.__cause__, KVStreamError):
+                raise
+            delay = min(initial * 2 ** (attempt - 1), maximum)
+            if attempt == 1:
+                print(
+                    f"kvstream {command}: {exc}; retrying with backoff "
+                    "(-v shows every attempt; --no-retry exits at once)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            log.info("%s: attempt %d failed (%s); next attempt in %.1f s", url, attempt, exc, delay)
+            await anyio.sleep(delay)
+            continue
+        if attempt > 1:
+            log.warning("%s: connected after %d attempts", url, attempt)
+        break
+    async with stack:
+        yield sub
+
+
+def refuse_foreign_file(path: str) -> None:
+    """Raise `DecodeError` unless `path` starts with a kvstream batch.
+
+    An empty file passes (it may still be written). A missing file raises
+    [`TransportError`][kvstream.errors.TransportError].
+    """
+    try:
+        with Path(path).open("rb") as f:
+            head = f.read(_FIRST_LINE_LIMIT)
+    except OSError as exc:
+        raise TransportError(f"cannot read {path}: {exc}") from exc
+    first = head.lstrip().split(b"\n", 1)[0].strip()
+    if not first:
+        return
+    try:
+        JsonCodec().decode(first)
+    except DecodeError as exc:
+        raise DecodeError(
+            f"{path}: not a kvstream JSON-lines file (its first line is not a batch: {exc})"
+        ) from exc
+
+
+def bind_rule(endpoint: str, bind: bool | None = None) -> str:
+    """`"binds"` or `"connects"`, with the reason, for a ZMQ endpoint."""
+    if bind is not None:
+        return "binds (bind=1)" if bind else "connects (bind=0)"
+    if should_bind(endpoint):
+        return "binds (the endpoint has '*', '::', ipc:// or inproc://)"
+    return "connects (no '*' in the endpoint: something else must bind it)"

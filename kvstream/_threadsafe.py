@@ -1,0 +1,446 @@
+"""Reaching a scheduler from a synchronous engine running in another thread.
+
+vLLM's scheduler runs in a thread of its own. `ThreadsafeHandle` is the
+one bridge from such a thread to a scheduler whose event loop runs elsewhere;
+`run_in_thread()` and `EventPublisher` both use
+it, over `LoopThread` (a scheduler on an event loop in a daemon thread).
+
+The hand-off costs the engine's thread about what appending to a deque costs:
+every call (`emit`, `tick`, a publisher's step) appends one entry to a
+deque under a lock, and wakes the loop only when the loop side is parked (one
+`call_soon_threadsafe` per idle-to-busy transition, not one per step). One
+task on the loop works through the deque in order: an `emit` entry joins the
+scheduler's pending events, a `tick` entry seals, so each thread-side tick
+seals exactly the events its thread emitted before it, one batch per step
+however fast the engine goes.
+
+The engine's thread waits only when `max_pending` steps are still queued,
+which happens when a sink with policy `block` is full, or when the engine
+outruns the loop for that long (vLLM's publisher waits on its full queue the
+same way): that is backpressure, and nothing else ever blocks the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio
+import anyio.lowlevel
+
+from kvstream.errors import ClosedError, ConfigError
+from kvstream.events import EventBatch, KVCacheEvent
+from kvstream.sources._base import check_events
+
+if TYPE_CHECKING:
+    from kvstream.scheduler import CloseReport, Scheduler
+
+__all__ = ["LoopThread", "ThreadsafeHandle", "run_in_thread"]
+
+log = logging.getLogger("kvstream.threadsafe")
+
+#: Entry kinds in the hand-off deque (the first element of each entry).
+_EMIT: Final = 0  # (_EMIT, events)
+_TICK: Final = 1  # (_TICK, future)
+_STEP: Final = 2  # (_STEP, raw events, ts, data_parallel_rank)
+_FLUSH: Final = 3  # (_FLUSH, threading.Event)
+
+#: Steps worked through before the loop lets its other tasks run.
+_TURN: Final = 64
+
+#: Converts a step's raw events (on the loop) into checked kvstream events.
+StepConverter = Callable[[list[Any]], list[KVCacheEvent]]
+
+
+def _no_conversion(events: list[Any]) -> list[KVCacheEvent]:
+    return events
+
+
+class ThreadsafeHandle:
+    """`emit` and `tick` from any thread into a scheduler on its loop.
+
+    Create it on the loop's thread with `Scheduler.threadsafe()` (the
+    scheduler must be running). Entries from several threads are taken in the
+    order they were handed over; each thread's own order is kept.
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        *,
+        max_pending: int = 65_536,
+        convert: StepConverter = _no_conversion,
+        idle_poll: float = 0.0,
+    ) -> None:
+        if type(max_pending) is not int or max_pending < 1:
+            raise ConfigError(
+                f"ThreadsafeHandle.max_pending: expected an int >= 1, got {max_pending!r}"
+            )
+        if type(idle_poll) not in (int, float) or not 0 <= idle_poll <= 1:
+            raise ConfigError(
+                f"ThreadsafeHandle.idle_poll: expected seconds in [0, 1], got {idle_poll!r}"
+            )
+        self._scheduler = scheduler
+        self._loop = asyncio.get_running_loop()
+        self._max_pending = max_pending
+        self._convert = convert
+        self._entries: deque[tuple[Any, ...]] = deque()
+        self._lock = threading.Lock()
+        #: True while the loop side waits for work: the next hand-off wakes it.
+        self._idle = False
+        #: `idle_poll`: how long the loop side, once out of work, still looks for more
+        #: by itself (see `step()`); `_lingering` is True during that time.
+        self._linger = float(idle_poll)
+        self._lingering = False
+        #: What the loop side waits on while idle; a wake resolves it.
+        self._waiter: asyncio.Future[None] | None = None
+        self._closed = False
+        self._done = asyncio.Event()
+        # Steps handed over and steps taken: each counter written by one side only.
+        self._pushed = 0
+        self._taken = 0
+        self._room_wanted = False
+        self._room = threading.Event()
+        self._wake_set = self._wake
+        #: Events handed over but never sealed (the scheduler stopped before it got to them).
+        self.events_abandoned = 0
+        #: Times a hand-off had to wake the loop side (see `idle_poll` in `step()`).
+        self.wakeups = 0
+
+    # -- the engine's side (any thread) ---------------------------------------------------
+
+    def emit(self, events: KVCacheEvent | Sequence[KVCacheEvent]) -> None:
+        """Hand events to the scheduler; returns at once.
+
+        Events emitted before `tick()` (in the same thread) are in that
+        tick's batch. The handle copies the list: the caller may reuse it.
+        Raises [`ClosedError`][kvstream.errors.ClosedError] once the handle is closed.
+        """
+        checked = check_events(events, "emit")
+        self._hand_over(
+            (_EMIT, list(checked) if checked is events else checked), False, urgent=False
+        )
+
+    def tick(self) -> concurrent.futures.Future[EventBatch | None]:
+        """Seal what this thread emitted so far; returns a future of this engine's batch.
+
+        The batch is None when nothing was pending (no sequence number is used).
+        """
+        future: concurrent.futures.Future[EventBatch | None] = concurrent.futures.Future()
+        self._hand_over((_TICK, future), True)
+        return future
+
+    def step(
+        self, events: list[Any], ts: float | None = None, data_parallel_rank: int | None = None
+    ) -> None:
+        """One engine step: `events` become exactly one batch, even when empty.
+
+        `ts` and `data_parallel_rank` stamp it (None: the scheduler's clock
+        and rank). The list is kept as given (copy it if you reuse it); the
+        handle's converter checks it on the loop. This is what
+        [`EventPublisher.publish()`][kvstream.publisher.EventPublisher.publish] calls.
+
+        With `idle_poll` > 0, a step handed over while the loop side has been out of
+        work for less than `idle_poll` seconds does not wake it: the loop looks again
+        by itself when that time is up. An engine stepping faster than that hands its
+        steps over without a wake-up each (whose self-pipe write lets the loop take the
+        GIL from the engine mid-step), at the price of up to `idle_poll` of latency.
+        `tick()` and `flush()` always wake it: someone waits for them.
+        """
+        self._hand_over((_STEP, events, ts, data_parallel_rank), True, urgent=False)
+
+    def _hand_over(self, entry: tuple[Any, ...], is_step: bool, *, urgent: bool = True) -> None:
+        if is_step and self._pushed - self._taken >= self._max_pending:
+            self._wait_for_room()
+        with self._lock:
+            if self._closed:
+                raise ClosedError(
+                    "the thread-safe handle is closed (its scheduler or publisher shut down); "
+                    "nothing handed over after that can be delivered"
+                )
+            self._entries.append(entry)
+            if is_step:
+                self._pushed += 1
+            # A step nobody waits for is left to the loop side's own look while it
+            # lingers: no wake-up, whose write would hand it the GIL mid-step.
+            wake = self._idle and (urgent or not self._lingering)
+            if wake:
+                self._idle = False
+        if wake:
+            self.wakeups += 1
+            try:
+                self._loop.call_soon_threadsafe(self._wake_set)
+            except RuntimeError:  # the loop has stopped: nothing can run the entry
+                self._closed = True
+                raise ClosedError("the scheduler's event loop has stopped") from None
+
+    def _linger_over(self) -> None:
+        """On the loop, `idle_poll` after it ran out of work: take what came, or park."""
+        with self._lock:
+            self._lingering = False
+            if not self._entries or not self._idle:
+                return  # parked: the next hand-off wakes it
+            self._idle = False
+        self._wake()
+
+    def _wake(self) -> None:
+        """On the loop: resume the loop side if it waits (a late wake finds nothing to do)."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _wait_for_room(self) -> None:
+        """Backpressure: wait while `max_pending` steps are queued (a full `block` sink)."""
+        while self._pushed - self._taken >= self._max_pending and not self._closed:
+            self._room.clear()
+            self._room_wanted = True
+            if self._pushed - self._taken < self._max_pending:
+                break
+            self._room.wait(0.05)
+        self._room_wanted = False
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until everything handed over so far has been worked through.
+
+        Every tick and step before this call has then offered its batch to
+        every sink. Raises `TimeoutError` after `timeout` seconds.
+        """
+        if threading.get_ident() == self._loop_thread_id():
+            raise ClosedError("flush: called on the loop's own thread, it would never return")
+        done = threading.Event()
+        try:
+            self._hand_over((_FLUSH, done), False)
+        except ClosedError:
+            if not self._done.is_set():
+                raise
+            return  # closed and worked through: nothing is pending
+        if not done.wait(timeout):
+            raise TimeoutError(f"flush: entries still pending after {timeout} s")
+
+    def _loop_thread_id(self) -> int | None:
+        return getattr(self._loop, "_thread_id", None)
+
+    def close(self) -> None:
+        """Take nothing more; what was handed over before is still worked through."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            wake = self._idle
+            self._idle = False
+        if wake:
+            with contextlib.suppress(RuntimeError):  # the loop has stopped
+                self._loop.call_soon_threadsafe(self._wake_set)
+        self._room.set()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def pending(self) -> int:
+        """Entries handed over and not yet worked through."""
+        return len(self._entries)
+
+    # -- the loop's side --------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        """Work through the hand-off deque in order until closed (one task, on the loop)."""
+        entries = self._entries
+        scheduler = self._scheduler
+        convert = self._convert
+        loop = self._loop
+        try:
+            while True:
+                turn = 0
+                while entries:
+                    entry = entries.popleft()
+                    kind = entry[0]
+                    if kind == _STEP:
+                        self._taken += 1
+                        if self._room_wanted:
+                            self._room.set()
+                        try:
+                            batches = scheduler._seal_step(convert(entry[1]), entry[2], entry[3])
+                            if batches and not scheduler._dispatch_now(batches):
+                                await scheduler._wait_dispatched(scheduler._tickets)
+                        except Exception:
+                            log.exception("a step handed over from a thread failed")
+                    elif kind == _EMIT:
+                        scheduler._emit_from_thread(entry[1])
+                    elif kind == _TICK:
+                        self._taken += 1
+                        if self._room_wanted:
+                            self._room.set()
+                        future: concurrent.futures.Future[EventBatch | None] = entry[1]
+                        try:
+                            batch = await scheduler._tick_step(None, None, None)
+                        except BaseException as exc:
+                            future.set_exception(exc)
+                            if not isinstance(exc, Exception):
+                                raise
+                        else:
+                            future.set_result(batch)
+                    else:
+                        entry[1].set()
+                    turn += 1
+                    if turn >= _TURN and entries:
+                        turn = 0
+                        await anyio.lowlevel.checkpoint()  # let the sinks' tasks run
+                waiter = self._waiter = loop.create_future()
+                with self._lock:
+                    if entries:
+                        continue
+                    if self._closed:
+                        break
+                    self._idle = True
+                    self._lingering = self._linger > 0
+                timer = loop.call_later(self._linger, self._linger_over) if self._linger else None
+                try:
+                    await waiter
+                finally:
+                    if timer is not None:
+                        timer.cancel()
+        finally:
+            self._closed = True
+            self._done.set()
+            self._room.set()
+            # Cancelled with entries left (the scheduler's close timed out first):
+            # fail the waiting callers, and count and report what is lost.
+            lost_events = 0
+            while entries:
+                entry = entries.popleft()
+                if entry[0] == _TICK:
+                    entry[1].set_exception(ClosedError("tick: the scheduler stopped first"))
+                elif entry[0] == _FLUSH:
+                    entry[1].set()
+                else:
+                    lost_events += len(entry[1])
+                    self.events_abandoned += len(entry[1])
+            if lost_events:
+                log.error(
+                    "%d event(s) handed over from a thread were never sealed: the "
+                    "scheduler's close timed out before its loop worked through them",
+                    lost_events,
+                )
+
+    async def _close_and_drain(self) -> None:
+        """For the scheduler's `aclose`: take nothing more, work through what is queued."""
+        self.close()
+        await self._done.wait()
+
+
+class LoopThread:
+    """A scheduler running on an asyncio event loop in a daemon thread of its own.
+
+    The thread is a daemon, so a process whose owner never calls `close()`
+    still exits; [`EventPublisher`][kvstream.publisher.EventPublisher] closes its loop
+    thread at interpreter exit (see its docs). `handle` is the
+    `ThreadsafeHandle` engines use; `close()` flushes it, closes the
+    scheduler (delivering what is pending within its `close_timeout`) and
+    joins the thread.
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        *,
+        name: str = "kvstream loop",
+        max_pending: int = 65_536,
+        convert: StepConverter = _no_conversion,
+        idle_poll: float = 0.0,
+    ) -> None:
+        self.scheduler = scheduler
+        self._max_pending = max_pending
+        self._convert = convert
+        self._idle_poll = idle_poll
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._error: BaseException | None = None
+        self._handle: ThreadsafeHandle | None = None
+        self.report: CloseReport | None = None
+        self._close_lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        error = self._failure()
+        if error is not None:
+            self._thread.join()
+            raise error
+
+    def _failure(self) -> BaseException | None:
+        """What stopped the thread before the scheduler was running (set by the thread)."""
+        return self._error
+
+    @property
+    def handle(self) -> ThreadsafeHandle:
+        assert self._handle is not None
+        return self._handle
+
+    def _main(self) -> None:
+        try:
+            anyio.run(self._serve, backend="asyncio")
+        except BaseException as exc:
+            if not self._ready.is_set():
+                self._error = exc
+            else:
+                log.exception("the scheduler's loop thread failed")
+        finally:
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        async with self.scheduler:
+            self._handle = self.scheduler.threadsafe(
+                max_pending=self._max_pending, convert=self._convert, idle_poll=self._idle_poll
+            )
+            self._ready.set()
+            await self._stop.wait()
+            self.report = await self.scheduler.aclose()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Work through what was handed over, close the scheduler, end the thread. Idempotent.
+
+        Waits at most the scheduler's `close_timeout` plus `timeout` (default 5 s)
+        for the thread; the thread is a daemon, so it never keeps the process alive.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        loop, stop = self._loop, self._stop
+        if self._handle is not None:
+            self._handle.close()
+        if loop is not None and stop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop already stopped
+                loop.call_soon_threadsafe(stop.set)
+        extra = 5.0 if timeout is None else timeout
+        self._thread.join(self.scheduler.close_timeout + extra)
+        if self._thread.is_alive():
+            log.error("the scheduler's loop thread did not stop within its close timeout")
+
+
+@contextlib.contextmanager
+def run_in_thread(scheduler: Scheduler) -> Iterator[ThreadsafeHandle]:
+    """Run `scheduler` on an event loop in a new (daemon) thread, for synchronous engines:
+
+        with run_in_thread(Scheduler(sinks=[FileSink("kv.jsonl")])) as kv:
+            kv.emit(events)      # from the engine's thread
+            kv.tick()
+
+    On exit, what was handed over is worked through, the scheduler closes
+    (delivering what is pending) and the thread ends.
+    """
+    runner = LoopThread(scheduler, name=f"kvstream loop {scheduler.origin}")
+    try:
+        yield runner.handle
+    finally:
+        runner.close()

@@ -30,10 +30,11 @@ import dataclasses
 import logging
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from types import TracebackType
-from typing import Any, Final, Literal, NamedTuple, Self
+from contextlib import AsyncExitStack
+from typing import Any, Final, Literal, NamedTuple
 
-from kvstream.errors import ConfigError, MissingDependencyError, TransportError
+from kvstream.errors import ClosedError, ConfigError, MissingDependencyError, TransportError
+from kvstream.lifetime import TaskOwner
 from kvstream.scheduler import Scheduler
 from kvstream.sinks.base import Sink
 from kvstream.wire.http import HttpLimits, HttpServer, HttpServerStatistics, Request, Response
@@ -448,7 +449,7 @@ def parse_address(text: str) -> tuple[str, int]:
     return host or "127.0.0.1", port
 
 
-class MetricsServer:
+class MetricsServer(TaskOwner):
     """Serves `GET /metrics` for a collector, on the event loop.
 
     An async context manager; `port` is the bound port (useful with port
@@ -467,6 +468,7 @@ class MetricsServer:
         token: str | None = None,
         limits: HttpLimits | None = None,
     ) -> None:
+        TaskOwner.__init__(self)
         self.host, self.requested_port = parse_address(address)
         self.collector = collector
         self.registry = CollectorRegistry(auto_describe=False)
@@ -498,26 +500,20 @@ class MetricsServer:
         """The HTTP listener's counters (connections, refusals, timeouts)."""
         return self._http.statistics()
 
-    async def __aenter__(self) -> Self:
+    def reentry_error(self) -> ClosedError:
+        return self._http.reentry_error()
+
+    async def open_lifetime(self, stack: AsyncExitStack) -> None:
         try:
-            await self._http.__aenter__()
+            await stack.enter_async_context(self._http)
         except TransportError as exc:
             raise TransportError(
                 f"metrics address {self.host}:{self.requested_port}: {exc}"
             ) from exc
-        return self
 
     async def aclose(self) -> None:
         """Stop listening and drop open connections. Idempotent."""
         await self._http.aclose()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._http.__aexit__(exc_type, exc, tb)
 
     async def _handle(self, request: Request) -> Response:
         if request.method not in ("GET", "HEAD"):

@@ -32,16 +32,17 @@ import math
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
-from types import TracebackType
-from typing import Final, Literal, NamedTuple, Self, TypeAlias, get_args
+from contextlib import AsyncExitStack
+from typing import Final, Literal, NamedTuple, TypeAlias, get_args
 
 import anyio
-from anyio.abc import TaskGroup, TaskStatus
+from anyio.abc import TaskGroup
 
 from kvstream.codecs.base import Codec, Refusal
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ClosedError, ConfigError
 from kvstream.events import EventBatch
+from kvstream.lifetime import LifetimeState, TaskOwner, open_task_group
 from kvstream.sinks.encoding import SharedEncoding
 
 __all__ = [
@@ -111,7 +112,13 @@ class DeliveryReport(NamedTuple):
         return self.undelivered_batches == 0
 
 
-class Sink(ABC):
+_NEW: Final = LifetimeState.NEW
+_RUNNING: Final = LifetimeState.RUNNING
+_CLOSING: Final = LifetimeState.CLOSING
+_CLOSED: Final = LifetimeState.CLOSED
+
+
+class Sink(TaskOwner, ABC):
     """Base class of every sink. Subclasses implement `send()`.
 
     Use a sink as an async context manager (the scheduler does this for you): it
@@ -154,6 +161,7 @@ class Sink(ABC):
         self.policy: OverflowPolicy = policy
         self.max_bytes = max_bytes
         self.max_batches = max_batches
+        TaskOwner.__init__(self)
         self.name = name or type(self).__name__
         self.close_timeout = close_timeout
         self._retry_initial = retry_initial
@@ -171,14 +179,10 @@ class Sink(ABC):
         self._writer_waiting: anyio.Event | None = None
         self._space_waiters: list[anyio.Event] = []
         #: The sink's tasks (the writer; subclasses may start more). Closing cancels
-        #: its scope, which the owner's `async with` body is not in: see __aenter__.
+        #: its scope, which the owner's `async with` body is not in (`open_task_group`).
         self._tg: TaskGroup | None = None
-        self._host_tg: TaskGroup | None = None
-        self._entered = False
-        #: True from a completed __aenter__ until drain() starts: offers are taken.
+        #: The state's view the tick reads: True while RUNNING (offers are taken).
         self._accepting = False
-        self._closing = False
-        self._closed = False
         self._drain_report: DeliveryReport | None = None
         self._writer_started = False
         self._writer_done = anyio.Event()
@@ -200,7 +204,7 @@ class Sink(ABC):
 
     # -- what a sink author writes ------------------------------------------------
 
-    async def open(self) -> None:  # noqa: B027 - optional hook, empty on purpose
+    async def open(self) -> None:
         """Acquire the transport (connect, open a file, bind). Called on enter."""
 
     @abstractmethod
@@ -234,7 +238,7 @@ class Sink(ABC):
         for data, batch in items:
             await self.send(data, batch)
 
-    async def recover(self, exc: Exception) -> None:  # noqa: B027 - optional hook
+    async def recover(self, exc: Exception) -> None:
         """Called after `send` raised `exc`, before the retry: reconnect here."""
 
     async def aclose(self) -> None:
@@ -244,9 +248,10 @@ class Sink(ABC):
         `await super().aclose()` first, then release the transport (in a
         `finally`, so it is released even when draining fails).
         """
-        if self._closed:
+        if self._state is _CLOSED:
             return
-        self._closed = True
+        if self._state is not _NEW:  # a sink closed unentered stays NEW: "never entered"
+            self._set_state(_CLOSED)
         try:
             if self._drain_report is None:
                 await self.drain(self.close_timeout)
@@ -261,61 +266,51 @@ class Sink(ABC):
 
     # -- lifetime ---------------------------------------------------------------
 
-    async def __aenter__(self) -> Self:
-        if self._entered:
-            raise ClosedError(f"{self.name}: a sink can be entered only once")
-        self._entered = True
-        await self.open()
-        # The owner's ``async with`` body runs inside the scope of the task group
-        # entered here, so cancelling that scope would cancel the owner's code
-        # after an early aclose(). The sink's tasks live in a task group held by a
-        # task of its own instead: aclose() cancels that one.
-        host_tg = anyio.create_task_group()
-        await host_tg.__aenter__()
-        self._host_tg = host_tg
-        try:
-            tg: TaskGroup = await host_tg.start(_hold_task_group, name=f"kvstream sink {self.name}")
-        except BaseException:
-            self._host_tg = None
-            host_tg.cancel_scope.cancel()
-            await host_tg.__aexit__(None, None, None)
-            raise
-        self._tg = tg
-        tg.start_soon(self._writer, name=f"kvstream sink writer {self.name}")
-        try:
-            self.start_tasks(tg)
-        except BaseException as exc:
-            with anyio.CancelScope(shield=True):
-                await self.__aexit__(type(exc), exc, exc.__traceback__)
-            raise
-        self._accepting = not self._closing
-        return self
+    def _set_state(self, state: LifetimeState) -> None:
+        self._state = state
+        self._accepting = state is _RUNNING
 
-    def start_tasks(self, tg: TaskGroup) -> None:  # noqa: B027 - optional hook, empty on purpose
+    def reentry_error(self) -> ClosedError:
+        return ClosedError(f"{self.name}: a sink can be entered only once")
+
+    async def open_lifetime(self, stack: AsyncExitStack) -> None:
+        """Open the transport, start the writer and the sink's own tasks.
+
+        Subclasses write `open()`, `enter_contexts()` and `start_tasks()`
+        instead. On exit the stack runs `aclose()` (shielded), then exits what
+        `enter_contexts()` entered, then ends the sink's tasks.
+        """
+        if self._drain_report is not None:
+            raise ClosedError(f"{self.name}: the sink was closed before it was entered")
+        await self.open()
+        try:
+            tg = self._tg = await open_task_group(stack, f"kvstream sink {self.name}")
+            await self.enter_contexts(stack)
+            tg.start_soon(self._writer, name=f"kvstream sink writer {self.name}")
+            self.start_tasks(tg)
+        except BaseException:
+            await _shielded_aclose(self)
+            raise
+        stack.push_async_callback(_shielded_aclose, self)
+
+    async def enter_contexts(self, stack: AsyncExitStack) -> None:
+        """Enter what the sink holds until it closes, on `stack` (optional hook).
+
+        Called once as the sink is entered, after `open()`, before the writer
+        starts: a task group of the sink's own that must outlive the writer
+        (`kvstream.lifetime.open_task_group(stack, name)`), a connection, a
+        cleanup (`stack.push_async_callback(...)`). All of it is exited, in
+        reverse order, after `aclose()` returned.
+        """
+
+    def start_tasks(self, tg: TaskGroup) -> None:
         """Start the sink's own background tasks in `tg` (optional hook).
 
         Called once as the sink is entered, after `open()` and the writer. `tg` is
         the sink's task group: it is cancelled when the sink closes, after what
         was queued has been delivered. A sink with tasks of its own overrides
-        this, never `__aenter__` or `__aexit__`.
+        this (or `enter_contexts()`), never `__aenter__` or `__aexit__`.
         """
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        try:
-            with anyio.CancelScope(shield=True):
-                await self.aclose()
-        finally:
-            self._tg = None
-            host_tg, self._host_tg = self._host_tg, None
-            if host_tg is not None:
-                host_tg.cancel_scope.cancel()
-                await host_tg.__aexit__(None, None, None)
-        return None
 
     # -- encoding -----------------------------------------------------------------
 
@@ -329,7 +324,7 @@ class Sink(ABC):
 
         Only before the sink is entered, and only for an encoding of an equal codec.
         """
-        if self._entered:
+        if self._state is not _NEW:
             raise ClosedError(f"{self.name}: use_encoding: the sink is already running")
         if encoding.codec != self.codec:
             raise ConfigError(
@@ -344,12 +339,12 @@ class Sink(ABC):
     # -- the tick's side ----------------------------------------------------------
 
     def _refusal(self, what: str) -> ClosedError:
-        if not self._entered:
+        if self._state is _NEW:
             return ClosedError(
                 f"{self.name}: {what}: the sink was never entered; use it as "
                 "`async with sink:` or give it to a Scheduler (which enters it)"
             )
-        if self._closing:
+        if self._state is _CLOSING or self._state is _CLOSED:
             return ClosedError(f"{self.name}: {what}: the sink is closed")
         return ClosedError(f"{self.name}: {what}: the sink is still opening")
 
@@ -543,7 +538,7 @@ class Sink(ABC):
         try:
             while self._drain_report is None:  # once reported, nothing more is sent
                 if not self._outbox:
-                    if self._closing:
+                    if self._state is _CLOSING or self._state is _CLOSED:
                         return
                     event = self._writer_waiting = anyio.Event()
                     await event.wait()
@@ -616,8 +611,8 @@ class Sink(ABC):
         """
         if self._drain_report is not None:
             return self._drain_report
-        self._closing = True
-        self._accepting = False
+        if self._state is LifetimeState.OPENING or self._state is _RUNNING:
+            self._set_state(_CLOSING)
         waiting = self._writer_waiting
         if waiting is not None:
             self._writer_waiting = None
@@ -652,7 +647,8 @@ class Sink(ABC):
 
     @property
     def closed(self) -> bool:
-        return self._closing
+        """True once the sink stopped taking batches (draining or closed)."""
+        return self._state is _CLOSING or self._state is _CLOSED or self._drain_report is not None
 
     @property
     def batches_inline(self) -> int:
@@ -689,11 +685,9 @@ class Sink(ABC):
         return f"<{type(self).__name__} {self.name!r} policy={self.policy}>"
 
 
-async def _hold_task_group(*, task_status: TaskStatus[TaskGroup]) -> None:
-    """Hold a task group open, in a task of its own, until its scope is cancelled."""
-    async with anyio.create_task_group() as tg:
-        task_status.started(tg)
-        await anyio.sleep_forever()
+async def _shielded_aclose(sink: Sink) -> None:
+    with anyio.CancelScope(shield=True):
+        await sink.aclose()
 
 
 #: Convenience for sinks whose default is kvstream's own JSON lines.

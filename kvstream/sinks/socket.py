@@ -55,8 +55,8 @@ import logging
 import os
 import ssl
 from collections.abc import Sequence
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final, NamedTuple, Self, cast
+from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, cast
 
 import anyio
 import anyio.abc
@@ -66,6 +66,7 @@ from anyio.streams.tls import TLSStream
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ConfigError, TransportError
 from kvstream.events import EventBatch
+from kvstream.lifetime import LifetimeState, open_task_group
 from kvstream.sinks.base import Sink
 from kvstream.sinks.burst_log import BurstLog
 from kvstream.sinks.socket_fanout import (
@@ -276,7 +277,6 @@ class SocketSink(Sink):
         self._all_gone = anyio.Event()
         self._all_gone.set()
         self._stopping = False
-        self._stopped = False
         self._unix_inode: int | None = None
         self._bound = ""
         self._refusals = BurstLog(log)
@@ -355,43 +355,19 @@ class SocketSink(Sink):
         if self._auto_name:
             self.name = self._fanout.name = self._bound
 
-    async def __aenter__(self) -> Self:
-        await super().__aenter__()
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        self._server_tg = tg
+    async def enter_contexts(self, stack: AsyncExitStack) -> None:
+        # The server's tasks (accept, one per subscriber) outlive the writer: on
+        # close, subscribers take what the writer delivered into the ring first.
+        tg = self._server_tg = await open_task_group(stack, f"kvstream socket server {self.name}")
         for listener in self._listeners:
             tg.start_soon(self._accept, listener, name=f"kvstream socket accept {self.address}")
         log.info("%s: listening on %s", self.name, self.address)
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        # Task groups end in the reverse order they began: the server's, then
-        # the base class's (the writer).
-        try:
-            with anyio.CancelScope(shield=True):
-                await self.aclose()
-        finally:
-            tg, self._server_tg = self._server_tg, None
-            try:
-                if tg is not None:
-                    tg.cancel_scope.cancel()
-                    await tg.__aexit__(None, None, None)
-            finally:
-                await super().__aexit__(exc_type, exc, tb)
-        return None
 
     async def aclose(self) -> None:
         """Deliver what is queued into the ring, let subscribers take it (within
         `close_timeout`), tell them the sink is closing, and stop listening."""
-        if self._stopped:
+        if self.state is LifetimeState.CLOSED:
             return
-        self._stopped = True
         try:
             await super().aclose()
         finally:

@@ -60,7 +60,7 @@ class QueryServer(TaskOwner):
     The HTTP layer is kvstream's one server (`HttpServer`),
     with its documented limits: `max_connections` (idle connections make room
     for new ones), head size and time, `max_request_bytes` per body,
-    `idle_timeout` for keep-alive; `server_statistics()` counts every refusal.
+    `idle_timeout` for keep-alive; `statistics()` counts every refusal.
     """
 
     def __init__(
@@ -114,7 +114,7 @@ class QueryServer(TaskOwner):
     def url(self) -> str:
         return self._http.url
 
-    def server_statistics(self) -> HttpServerStatistics:
+    def statistics(self) -> HttpServerStatistics:
         """The HTTP listener's counters (connections, refusals, timeouts)."""
         return self._http.statistics()
 

@@ -33,7 +33,8 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
-from typing import Final, Literal, NamedTuple, TypeAlias, get_args
+from dataclasses import dataclass
+from typing import Any, Final, Literal, NamedTuple, TypeAlias, get_args
 
 import anyio
 from anyio.abc import TaskGroup
@@ -71,8 +72,13 @@ _ENTRY_OVERHEAD: Final = 160
 _HOP_BYTES: Final = 16 * 1024 * 1024
 
 
-class SinkStatistics(NamedTuple):
-    """A snapshot of one sink's counters."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SinkStatistics:
+    """A snapshot of one sink's counters.
+
+    A transport's record extends it (`SocketSinkStatistics`,
+    `ZmqSinkStatistics`): every field here, then the transport's own.
+    """
 
     name: str
     policy: str
@@ -662,24 +668,29 @@ class Sink(TaskOwner, ABC):
         return self._accepting
 
     def statistics(self) -> SinkStatistics:
+        """The sink's counters; a transport returns a record that extends this one."""
+        return SinkStatistics(**self._sink_fields())
+
+    def _sink_fields(self) -> dict[str, Any]:
+        """The `SinkStatistics` fields, for a transport's record to extend."""
         report = self._drain_report
-        return SinkStatistics(
-            name=self.name,
-            policy=self.policy,
-            batches_in=self._batches_in,
-            batches_out=self._batches_out,
-            events_out=self._events_out,
-            bytes_out=self._bytes_out,
-            batches_dropped=self._batches_dropped,
-            events_dropped=self._events_dropped,
-            queued_batches=len(self._outbox),
-            queued_bytes=max(self._queued_bytes, 0),
-            send_errors=self._send_errors,
-            healthy=self._healthy,
-            undelivered_batches=report.undelivered_batches if report else 0,
-            undelivered_events=report.undelivered_events if report else 0,
-            events_refused=self._events_refused,
-        )
+        return {
+            "name": self.name,
+            "policy": self.policy,
+            "batches_in": self._batches_in,
+            "batches_out": self._batches_out,
+            "events_out": self._events_out,
+            "bytes_out": self._bytes_out,
+            "batches_dropped": self._batches_dropped,
+            "events_dropped": self._events_dropped,
+            "queued_batches": len(self._outbox),
+            "queued_bytes": max(self._queued_bytes, 0),
+            "send_errors": self._send_errors,
+            "healthy": self._healthy,
+            "undelivered_batches": report.undelivered_batches if report else 0,
+            "undelivered_events": report.undelivered_events if report else 0,
+            "events_refused": self._events_refused,
+        }
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} policy={self.policy}>"

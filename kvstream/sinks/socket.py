@@ -56,6 +56,7 @@ import os
 import ssl
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, cast
 
 import anyio
@@ -67,7 +68,7 @@ from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ConfigError, TransportError
 from kvstream.events import EventBatch
 from kvstream.lifetime import LifetimeState, open_task_group
-from kvstream.sinks.base import Sink
+from kvstream.sinks.base import Sink, SinkStatistics
 from kvstream.sinks.burst_log import BurstLog
 from kvstream.sinks.socket_fanout import (
     SLOW_POLICIES,
@@ -128,7 +129,10 @@ class SubscriberStatistics(NamedTuple):
     lag_bytes: int
 
 
-class SocketSinkStatistics(NamedTuple):
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SocketSinkStatistics(SinkStatistics):
+    """A socket sink's counters: the sink's (`SinkStatistics`), then the server's."""
+
     address: str
     subscribers: int
     connections_accepted: int
@@ -149,6 +153,9 @@ class SocketSinkStatistics(NamedTuple):
     #: Connections still without a hello closed to make room for a newer one
     #: (`max_pending_hellos`); counted in `connections_refused` too.
     hellos_evicted: int = 0
+    #: One record per connected subscriber (not exported as metrics: one label
+    #: value per peer would grow without bound).
+    peers: tuple[SubscriberStatistics, ...] = ()
 
 
 class SocketSink(Sink):
@@ -635,9 +642,10 @@ class SocketSink(Sink):
 
     # -- introspection ---------------------------------------------------------------
 
-    def server_statistics(self) -> SocketSinkStatistics:
+    def statistics(self) -> SocketSinkStatistics:
         fanout = self._fanout
         return SocketSinkStatistics(
+            **self._sink_fields(),
             address=self.address,
             subscribers=len(fanout.subscriptions),
             connections_accepted=self._accepted,
@@ -651,15 +659,12 @@ class SocketSink(Sink):
             ring_max_bytes=self.ring_bytes,
             too_large=fanout.too_large,
             hellos_evicted=self._hellos_evicted,
-        )
-
-    def subscriber_statistics(self) -> tuple[SubscriberStatistics, ...]:
-        fanout = self._fanout
-        return tuple(
-            SubscriberStatistics(
-                s.peer, s.batches_sent, s.bytes_sent, s.batches_dropped, fanout.lag_bytes(s)
-            )
-            for s in fanout.subscriptions
+            peers=tuple(
+                SubscriberStatistics(
+                    s.peer, s.batches_sent, s.bytes_sent, s.batches_dropped, fanout.lag_bytes(s)
+                )
+                for s in fanout.subscriptions
+            ),
         )
 
 

@@ -54,7 +54,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Final, NamedTuple, Self, TypeAlias
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Self, TypeAlias
 
 import anyio
 import anyio.lowlevel
@@ -63,7 +64,7 @@ from anyio.abc import TaskGroup
 from kvstream.codecs.msgpack import MsgpackCodec, codec_from_options
 from kvstream.errors import ConfigError, DecodeError, MissingDependencyError, TransportError
 from kvstream.events import EventBatch
-from kvstream.sinks.base import Sink
+from kvstream.sinks.base import Sink, SinkStatistics
 from kvstream.sinks.burst_log import BurstLog
 from kvstream.sinks.encoding import held_bytes
 from kvstream.sinks.replay_ring import ReplayRing
@@ -122,8 +123,9 @@ _WATCH_INTERVAL: Final = 0.02
 _BACKOFF_MAX: Final = 0.05
 
 
-class ZmqSinkStatistics(NamedTuple):
-    """The ZMQ side of a `ZmqSink` (the base counters are in `statistics()`)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ZmqSinkStatistics(SinkStatistics):
+    """A ZMQ sink's counters: the sink's (`SinkStatistics`), then the ZMQ side's."""
 
     endpoint: str
     replay_endpoint: str | None
@@ -131,8 +133,6 @@ class ZmqSinkStatistics(NamedTuple):
     subscriptions: int
     #: Sends a full subscriber pipe answered with EAGAIN (each waited or dropped).
     pipe_full: int
-    #: Events left out by the strict profile.
-    events_refused: int
     #: Batches of an origin this sink has no topic for (several origins, fixed topic).
     batches_unroutable: int
     ring_batches: int
@@ -148,6 +148,8 @@ class ZmqSinkStatistics(NamedTuple):
     #: Times a reply met a full pipe and waited (paced) instead of losing a frame.
     replay_waits: int
     replays_active: int
+    #: The snapshot endpoint's counters (None when it is off).
+    snapshots: SnapshotServerStatistics | None = None
 
 
 #: A ring entry: `(seq, topic, seq_frame, payload)`, a plain tuple (made per batch:
@@ -556,10 +558,6 @@ class ZmqSink(Sink):
         except zmq.Again:  # a full pipe: batches are waiting there, signs of life enough
             self._heartbeats_skipped += 1
 
-    def snapshot_statistics(self) -> SnapshotServerStatistics | None:
-        """The snapshot endpoint's counters (None when it is off)."""
-        return None if self._snapshots is None else self._snapshots.statistics()
-
     @property
     def heartbeats_sent(self) -> int:
         return 0 if self._heartbeats is None else self._heartbeats.sent
@@ -731,13 +729,13 @@ class ZmqSink(Sink):
 
     # -- introspection --------------------------------------------------------------------
 
-    def zmq_statistics(self) -> ZmqSinkStatistics:
+    def statistics(self) -> ZmqSinkStatistics:
         return ZmqSinkStatistics(
+            **self._sink_fields(),
             endpoint=self.endpoint,
             replay_endpoint=self.replay_endpoint,
             subscriptions=self._subscriptions,
             pipe_full=self._pipe_full,
-            events_refused=self._events_refused,
             batches_unroutable=self._unroutable,
             ring_batches=len(self._ring),
             ring_bytes=self._ring.bytes,
@@ -749,6 +747,7 @@ class ZmqSink(Sink):
             replay_batches_sent=self._replay_sent,
             replay_waits=self._replay_waits,
             replays_active=len(self._replies),
+            snapshots=None if self._snapshots is None else self._snapshots.statistics(),
         )
 
 

@@ -7,7 +7,7 @@ each origin in the order they were added), swaps buffers, seals one
 each batch to every sink. Handing a batch over encodes it, once per codec
 (the scheduler's `EncodingGroup` shares the
 bytes between sinks with equal codecs), and a sink whose transport has room
-writes it at once (`Sink.send_nowait`); the others queue it for their writer
+writes it at once (`Sink.write_nowait`); the others queue it for their writer
 task. The tick does no other I/O and awaits only when a sink whose policy is
 `block` is full.
 

@@ -1,6 +1,6 @@
 """The sink contract and the machinery every sink shares.
 
-A sink author writes one coroutine, `Sink.send()`, that writes one encoded
+A sink author writes one coroutine, `Sink.write()`, that writes one encoded
 batch to the transport, plus `Sink.open()` / `Sink.aclose()` when the
 transport has a lifetime. Everything else lives here:
 
@@ -15,10 +15,10 @@ transport has a lifetime. Everything else lives here:
   (`kvstream.sinks.encoding`), so the outbox holds encoded bytes and is
   bounded by what they cost;
 * the **inline write**: a sink whose transport can take a batch without waiting
-  (`Sink.send_nowait()`: a ZMQ socket with room, an in-process queue) is
+  (`Sink.write_nowait()`: a ZMQ socket with room, an in-process queue) is
   written from the tick when nothing is queued or in flight ahead of the batch,
   without waking the writer task;
-* **faults**: a failing `send` is retried with exponential backoff (after
+* **faults**: a failing `write` is retried with exponential backoff (after
   `Sink.recover()`), logged once per burst, and never slows the other sinks;
 * **shutdown**: `Sink.drain()` delivers what is queued within a deadline and
   reports what it could not; [`Sink.aclose()`][kvstream.sinks.base.Sink.aclose] is idempotent;
@@ -65,7 +65,7 @@ DEFAULT_MAX_BATCHES: Final = 100_000
 #: What a batch is assumed to cost before the sink has encoded one.
 #: What a queued batch costs beyond its encoded bytes (the outbox entry, the batch).
 _ENTRY_OVERHEAD: Final = 160
-#: A writer hop (`send_many`) carries at most this many bytes (or one batch).
+#: A writer hop (`write_many`) carries at most this many bytes (or one batch).
 #: Large, because a hop to a worker thread costs a GIL hand-off each way, which a
 #: busy loop makes slow (up to the interpreter's switch interval, 5 ms); bounded,
 #: so that what a hop holds is freed, and its memory reused, before the next.
@@ -94,7 +94,7 @@ class SinkStatistics:
     #: allocated, plus a fixed cost per batch. The outbox is bounded by this.
     queued_bytes: int
     send_errors: int
-    #: False while `send` is failing and being retried.
+    #: False while `write` is failing and being retried.
     healthy: bool
     #: Batches still queued or in flight when the sink was closed.
     undelivered_batches: int
@@ -125,7 +125,12 @@ _CLOSED: Final = LifetimeState.CLOSED
 
 
 class Sink(TaskOwner, ABC):
-    """Base class of every sink. Subclasses implement `send()`.
+    """Base class of every sink. Subclasses implement `write()`.
+
+    `write()` (with `write_nowait()` and `write_many()`) is the transport hook:
+    the sink's writer calls it. Batches enter the sink through its queue,
+    `offer()` and `put()` (the scheduler calls these); calling `write()`
+    yourself would bypass the outbox, its bounds and its counters.
 
     Use a sink as an async context manager (the scheduler does this for you): it
     opens the transport, runs the writer task, and on exit drains and closes.
@@ -133,7 +138,7 @@ class Sink(TaskOwner, ABC):
     `offer()` and `put()` raise [`ClosedError`][kvstream.errors.ClosedError].
     """
 
-    #: How many queued batches `send_many()` may receive at once. Sinks that
+    #: How many queued batches `write_many()` may receive at once. Sinks that
     #: can write several batches in one operation (a file) raise it. A hop also
     #: stops at 16 MiB of encoded bytes.
     max_coalesce: int = 1
@@ -181,7 +186,7 @@ class Sink(TaskOwner, ABC):
         self._queued_bytes = 0
         self._inflight: list[EventBatch] = []
         self._inflight_cost = 0
-        self._inline = type(self).send_nowait is not Sink.send_nowait
+        self._inline = type(self).write_nowait is not Sink.write_nowait
         self._writer_waiting: anyio.Event | None = None
         self._space_waiters: list[anyio.Event] = []
         #: The sink's tasks (the writer; subclasses may start more). Closing cancels
@@ -214,7 +219,7 @@ class Sink(TaskOwner, ABC):
         """Acquire the transport (connect, open a file, bind). Called on enter."""
 
     @abstractmethod
-    async def send(self, data: bytes, batch: EventBatch) -> None:
+    async def write(self, data: bytes, batch: EventBatch) -> None:
         """Write one encoded batch to the transport.
 
         `data` is `batch` encoded by `codec` (`b""` when the sink has no
@@ -222,30 +227,30 @@ class Sink(TaskOwner, ABC):
         retried after a backoff and `recover()`.
         """
 
-    def send_nowait(self, data: bytes, batch: EventBatch) -> bool:
+    def write_nowait(self, data: bytes, batch: EventBatch) -> bool:
         """Write one encoded batch now if the transport takes it without waiting.
 
         Optional. Called on the scheduler's tick, only when nothing is queued or
         in flight ahead of `batch`, so order is kept. Return True when the batch
         was written (or given up with `discard()`), False when writing it
-        would have to wait: the batch then goes to the outbox and `send()`
+        would have to wait: the batch then goes to the outbox and `write()`
         writes it. Write all of it or none of it; raising counts as a failed
-        attempt and leaves the batch to `send()`. Keep it short and never
+        attempt and leaves the batch to `write()`. Keep it short and never
         block: it runs on the host's tick.
         """
         return False
 
-    async def send_many(self, items: Sequence[tuple[bytes, EventBatch]]) -> None:
+    async def write_many(self, items: Sequence[tuple[bytes, EventBatch]]) -> None:
         """Write several batches at once (up to `max_coalesce`).
 
         Overrides must write all of `items` or raise having written none of
         them, so that a retry neither loses nor repeats a batch.
         """
         for data, batch in items:
-            await self.send(data, batch)
+            await self.write(data, batch)
 
     async def recover(self, exc: Exception) -> None:
-        """Called after `send` raised `exc`, before the retry: reconnect here."""
+        """Called after `write` raised `exc`, before the retry: reconnect here."""
 
     async def aclose(self) -> None:
         """Drain what is queued (within `close_timeout`), stop the writer.
@@ -386,7 +391,7 @@ class Sink(TaskOwner, ABC):
         outbox = self._outbox
         if self._inline and not outbox and not self._inflight and self._healthy:
             try:
-                written = self.send_nowait(data, batch)
+                written = self.write_nowait(data, batch)
             except Exception as exc:
                 # Left to send(), which retries with backoff and recover().
                 log.debug("%s: send_nowait failed (%s); queued", self.name, exc)
@@ -460,7 +465,7 @@ class Sink(TaskOwner, ABC):
     def discard(self, batch: EventBatch, reason: str) -> None:
         """Count `batch` as dropped (never silently): logged once per burst.
 
-        For sinks whose `send` finds a batch undeliverable for good (the
+        For sinks whose `write` finds a batch undeliverable for good (the
         consumer went away); the writer then moves on to the next batch and does
         not count this one as sent.
         """
@@ -570,9 +575,9 @@ class Sink(TaskOwner, ABC):
                 self._discarded.clear()
             try:
                 if len(items) == 1:
-                    await self.send(*items[0])
+                    await self.write(*items[0])
                 else:
-                    await self.send_many(items)
+                    await self.write_many(items)
             except Exception as exc:
                 self._send_errors += 1
                 if self._healthy:
@@ -658,7 +663,7 @@ class Sink(TaskOwner, ABC):
 
     @property
     def batches_inline(self) -> int:
-        """Batches written straight from the tick (`send_nowait()`), without
+        """Batches written straight from the tick (`write_nowait()`), without
         waking the writer task; `statistics().batches_out` counts them too."""
         return self._batches_inline
 

@@ -9,7 +9,7 @@ and appended to a **replay ring** bounded in bytes. Subscribers read the ring:
   by `subscriber_bytes` (the bytes that arrived since it connected and are not
   yet written to its socket). A frame is never copied per subscriber until its
   socket is ready to take it;
-* `SocketSink.send()` (and `send_nowait`, from the tick) appends to the
+* `SocketSink.write()` (and `write_nowait`, from the tick) appends to the
   ring and wakes idle writers. It never awaits a subscriber, so a slow
   subscriber never slows the others, the sink's outbox or the scheduler's tick;
 * a subscriber that falls behind is handled by `slow`: `disconnect` (the
@@ -402,12 +402,12 @@ class SocketSink(Sink):
 
     # -- the writer's side: publishing ---------------------------------------------------
 
-    async def send(self, data: bytes, batch: EventBatch) -> None:
+    async def write(self, data: bytes, batch: EventBatch) -> None:
         self._fanout.publish(data, batch)
         if self._heartbeats is not None:
             self._heartbeats.delivered(batch)
 
-    def send_nowait(self, data: bytes, batch: EventBatch) -> bool:
+    def write_nowait(self, data: bytes, batch: EventBatch) -> bool:
         # Publishing appends to the ring and wakes subscribers' writers: it never
         # waits, so the tick does it and the sink's own writer task stays asleep.
         self._fanout.publish(data, batch)
@@ -415,7 +415,7 @@ class SocketSink(Sink):
             self._heartbeats.delivered(batch)
         return True
 
-    async def send_many(self, items: Sequence[tuple[bytes, EventBatch]]) -> None:
+    async def write_many(self, items: Sequence[tuple[bytes, EventBatch]]) -> None:
         publish = self._fanout.publish
         for data, batch in items:
             publish(data, batch)

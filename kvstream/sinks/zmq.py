@@ -45,7 +45,7 @@ Everything runs on the event loop; there is no publisher thread. Publishing
 uses plain (synchronous) sockets with `NOBLOCK`: a send either goes at once
 or answers EAGAIN, so it never blocks the loop, and it costs a third of a
 `zmq.asyncio` send. When nothing is queued ahead, the scheduler's tick
-publishes the batch itself (`ZmqSink.send_nowait()`); the writer task only
+publishes the batch itself (`ZmqSink.write_nowait()`); the writer task only
 runs when a pipe is full or the sink is retrying. Subscriptions and replay
 requests are read by tasks that wait for the socket's descriptor.
 """
@@ -457,7 +457,7 @@ class ZmqSink(Sink):
         topics[origin] = topic
         return topic
 
-    def send_nowait(self, data: bytes, batch: EventBatch) -> bool:
+    def write_nowait(self, data: bytes, batch: EventBatch) -> bool:
         """Publish now if every subscriber's pipe has room (on the tick; see Sink).
 
         The hot path of every batch, written out: `send()` is the same steps
@@ -498,7 +498,7 @@ class ZmqSink(Sink):
         self._keep(batch, topic, seq_frame, data)
         return True
 
-    async def send(self, data: bytes, batch: EventBatch) -> None:
+    async def write(self, data: bytes, batch: EventBatch) -> None:
         pub = self._pub
         if pub is None:
             raise TransportError(f"{self.name}: the socket is not open")

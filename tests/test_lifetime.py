@@ -195,3 +195,13 @@ async def test_the_servers_refuse_a_second_enter_and_close_idempotently() -> Non
             await server.aclose()
             await server.aclose()
         assert server.state.name == "CLOSED"
+
+
+async def test_a_sink_closed_before_it_was_entered_refuses_to_open() -> None:
+    sink = ContextSink([])
+    await sink.aclose()
+    assert sink.closed
+    with pytest.raises(ClosedError, match="ctx: the sink was closed before it was entered"):
+        async with sink:
+            pytest.fail("the body must not run")
+    assert sink.log == ["aclose"]  # nothing was opened, so nothing is released

@@ -372,7 +372,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             port = int(sink.address.rsplit(":", 1)[1])
 
             def sink_counters() -> dict[str, int]:
-                st = sink.server_statistics()
+                st = sink.statistics()
                 return {
                     "connections_refused": st.connections_refused,
                     "hellos_evicted": st.hellos_evicted,
@@ -409,7 +409,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 newest += 1
 
             def zmq_counters() -> dict[str, int]:
-                st = zsink.zmq_statistics()
+                st = zsink.statistics()
                 return {
                     "replay_busy": st.replay_busy,
                     "replay_malformed": st.replay_malformed,
@@ -441,7 +441,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         ):
 
             def http_counters(server: Any = server) -> dict[str, int]:
-                st = server.server_statistics()
+                st = server.statistics()
                 return {k: v for k, v in st._asdict().items() if isinstance(v, int)}
 
             port = server.port

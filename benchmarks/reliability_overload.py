@@ -1,7 +1,7 @@
 """Overload: one sink stalled (its send waits at a gate) while the engine keeps ticking.
 
 For each policy, `--stalled-ticks` ticks of `--per-batch` events run while
-the stalled sink is provably inside `send`; a healthy sink with policy
+the stalled sink is provably inside `write`; a healthy sink with policy
 `block` runs beside it. Measured, per policy:
 
 * ticks that suspended (stepping each `tick()` coroutine by hand: a tick that

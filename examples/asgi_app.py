@@ -19,6 +19,7 @@ Run it:
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
@@ -48,7 +49,7 @@ class RecentBatches(Sink):
         self.count = 0  # batches received so far
         self._more = anyio.Event()
 
-    async def send(self, data: bytes, batch: EventBatch) -> None:
+    async def write(self, data: bytes, batch: EventBatch) -> None:
         self.lines.append((f"{batch.origin}/{batch.epoch}/{batch.seq}", data))
         self.count += 1
         self._more.set()
@@ -133,7 +134,7 @@ def create_app(
             "ticks": st.ticks,
             "batches_sealed": st.batches_sealed,
             "events_sealed": st.events_sealed,
-            "sinks": [s._asdict() for s in st.sinks],
+            "sinks": [dataclasses.asdict(s) for s in st.sinks],
             "sources": [s._asdict() for s in st.sources],
         }
         return JSONResponse(body)

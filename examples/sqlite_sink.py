@@ -31,7 +31,7 @@ class SQLiteSink(Sink):
         self.db = sqlite3.connect(path, check_same_thread=False)  # one thread at a time
         self.db.execute(SCHEMA)
 
-    async def send(self, data: bytes, batch: EventBatch) -> None:
+    async def write(self, data: bytes, batch: EventBatch) -> None:
         row = (batch.origin, batch.epoch, batch.seq, len(batch.events), data.decode())
         await anyio.to_thread.run_sync(self._insert, row)  # the event loop stays free
 

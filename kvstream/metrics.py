@@ -15,11 +15,11 @@ thread), for `--metrics ADDR` on the long-running commands:
 
 Names follow Prometheus conventions: `kvstream_` prefix, counters end in
 `_total`, units in the name (`_bytes`). The sink, source and scheduler
-records map field by field (see `SINK_FIELDS` and friends); a sink's
-transport record (its other `*_statistics()` methods: the socket sink's
-`server_statistics()`, the ZMQ sink's `zmq_statistics()`) and the fields of
-any other target are exported by one rule (`metric_for_field()`): integers
-are counters unless the name says they are a level.
+records map field by field (see `SINK_FIELDS` and friends); the fields a
+transport's record adds to the sink's (`SocketSinkStatistics`,
+`ZmqSinkStatistics`, and the records nested in them) and the fields of any
+other target are exported by one rule (`metric_for_field()`): integers are
+counters unless the name says they are a level.
 
 Needs the `metrics` extra (`pip install 'kvstream-events[metrics]'`).
 """
@@ -30,11 +30,12 @@ import dataclasses
 import logging
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from types import TracebackType
-from typing import Any, Final, Literal, NamedTuple, Self
+from contextlib import AsyncExitStack
+from typing import Any, Final, Literal, NamedTuple
 
+from kvstream._lifetime import TaskOwner
 from kvstream._wire.http import HttpLimits, HttpServer, HttpServerStatistics, Request, Response
-from kvstream.errors import ConfigError, MissingDependencyError, TransportError
+from kvstream.errors import ClosedError, ConfigError, MissingDependencyError, TransportError
 from kvstream.scheduler import Scheduler
 from kvstream.sinks.base import Sink
 
@@ -194,10 +195,18 @@ def metric_for_field(field: str, value: object = 0) -> MetricSpec:
     return MetricSpec("gauge", name, f"{what} (from statistics().{field}).")
 
 
+def _is_record(value: object) -> bool:
+    """A named tuple or a dataclass instance: a record with declared fields."""
+    if isinstance(value, tuple):
+        return isinstance(getattr(type(value), "_fields", None), tuple)
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
 def _fields(record: object) -> dict[str, Any]:
-    as_dict = getattr(record, "_asdict", None)
-    if callable(as_dict):
-        return dict(as_dict())
+    """A record's declared fields and values (a mapping's items)."""
+    if isinstance(record, tuple) and _is_record(record):
+        names: tuple[str, ...] = type(record)._fields  # type: ignore[attr-defined]
+        return dict(zip(names, record, strict=True))
     if dataclasses.is_dataclass(record) and not isinstance(record, type):
         return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
     if isinstance(record, Mapping):
@@ -245,32 +254,6 @@ class _Families:
 
     def __iter__(self) -> Iterator[Metric]:
         return iter(self._families.values())
-
-
-def _transport_records(sink: Sink) -> list[Any]:
-    """A sink's own records beside `statistics()`: its other `*_statistics()` methods.
-
-    Such a method (`server_statistics()`, `zmq_statistics()`) returns one
-    record about the sink's transport. Methods returning a plain tuple of
-    records (one per subscriber) are skipped: one label value per peer would
-    make the metric set grow without bound.
-    """
-    records: list[Any] = []
-    for attr in dir(type(sink)):
-        if attr == "statistics" or attr.startswith("_") or not attr.endswith("_statistics"):
-            continue
-        method = getattr(sink, attr, None)
-        if not callable(method):
-            continue
-        try:
-            record = method()
-        except Exception as exc:  # a broken record must not break the scrape
-            log.warning("metrics: %s.%s() failed: %s", sink.name, attr, exc)
-            continue
-        if isinstance(record, tuple) and not hasattr(record, "_asdict"):
-            continue
-        records.append(record)
-    return records
 
 
 def _unique(name: str, seen: dict[str, int]) -> str:
@@ -344,10 +327,9 @@ class StatisticsCollector:
                 self._generic(families, kind, stats, labels, {})
             elif isinstance(target, Scheduler):
                 infos.append((stats.origin, stats.epoch))
-                sinks = target.sinks
-                self._scheduler(families, stats, labels, sink_names, source_names, sinks)
+                self._scheduler(families, stats, labels, sink_names, source_names)
             elif isinstance(target, Sink):
-                self._sink(families, target, stats, labels, sink_names)
+                self._sink(families, stats, labels, sink_names)
         yield from families
         info = InfoMetricFamily(
             f"{NAMESPACE}_scheduler",
@@ -366,7 +348,6 @@ class StatisticsCollector:
         extra: dict[str, str],
         sink_names: dict[str, int],
         source_names: dict[str, int],
-        sinks: tuple[Sink, ...],
     ) -> None:
         labels = {"origin": stats.origin, **extra}
         fields = _fields(stats)
@@ -390,13 +371,12 @@ class StatisticsCollector:
                     families.add("source", spec, src_labels, value, field)
             failed = _g("failed", "1 when the source raised and was closed.")
             families.add("source", failed, src_labels, float(src.get("error") is not None), "")
-        for sink, record in zip(sinks, stats.sinks, strict=False):
-            self._sink(families, sink, record, extra, sink_names)
+        for record in stats.sinks:
+            self._sink(families, record, extra, sink_names)
 
     def _sink(
         self,
         families: _Families,
-        sink: Sink,
         stats: Any,
         extra: dict[str, str],
         names: dict[str, int],
@@ -404,9 +384,10 @@ class StatisticsCollector:
         fields = _fields(stats)
         labels = {"sink": _unique(str(fields.pop("name", "sink")), names), **extra}
         fields.pop("policy", None)
-        for record in _transport_records(sink):
-            for field, value in _fields(record).items():
-                fields.setdefault(field, value)  # the base record's fields win
+        for value in list(fields.values()):
+            if _is_record(value):  # a record nested in the sink's (the ZMQ snapshots')
+                for field, nested in _fields(value).items():
+                    fields.setdefault(field, nested)  # the sink's own fields win
         self._generic(families, "sink", fields, labels, SINK_FIELDS)
 
     def _generic(
@@ -448,14 +429,14 @@ def parse_address(text: str) -> tuple[str, int]:
     return host or "127.0.0.1", port
 
 
-class MetricsServer:
+class MetricsServer(TaskOwner):
     """Serves `GET /metrics` for a collector, on the event loop.
 
     An async context manager; `port` is the bound port (useful with port
     0). Each scrape reads the targets' statistics once; OpenMetrics when the
     scraper asks for it. The HTTP layer is kvstream's one server
     (`HttpServer`), with its documented limits
-    (`limits`) and counters (`server_statistics()`).
+    (`limits`) and counters (`statistics()`).
     """
 
     def __init__(
@@ -467,6 +448,7 @@ class MetricsServer:
         token: str | None = None,
         limits: HttpLimits | None = None,
     ) -> None:
+        TaskOwner.__init__(self)
         self.host, self.requested_port = parse_address(address)
         self.collector = collector
         self.registry = CollectorRegistry(auto_describe=False)
@@ -494,30 +476,24 @@ class MetricsServer:
     def url(self) -> str:
         return f"{self._http.url}/metrics"
 
-    def server_statistics(self) -> HttpServerStatistics:
+    def statistics(self) -> HttpServerStatistics:
         """The HTTP listener's counters (connections, refusals, timeouts)."""
         return self._http.statistics()
 
-    async def __aenter__(self) -> Self:
+    def reentry_error(self) -> ClosedError:
+        return self._http.reentry_error()
+
+    async def open_lifetime(self, stack: AsyncExitStack) -> None:
         try:
-            await self._http.__aenter__()
+            await stack.enter_async_context(self._http)
         except TransportError as exc:
             raise TransportError(
                 f"metrics address {self.host}:{self.requested_port}: {exc}"
             ) from exc
-        return self
 
     async def aclose(self) -> None:
         """Stop listening and drop open connections. Idempotent."""
         await self._http.aclose()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._http.__aexit__(exc_type, exc, tb)
 
     async def _handle(self, request: Request) -> Response:
         if request.method not in ("GET", "HEAD"):

@@ -7,7 +7,7 @@ each origin in the order they were added), swaps buffers, seals one
 each batch to every sink. Handing a batch over encodes it, once per codec
 (the scheduler's `EncodingGroup` shares the
 bytes between sinks with equal codecs), and a sink whose transport has room
-writes it at once (`Sink.send_nowait`); the others queue it for their writer
+writes it at once (`Sink.write_nowait`); the others queue it for their writer
 task. The tick does no other I/O and awaits only when a sink whose policy is
 `block` is full.
 
@@ -28,12 +28,13 @@ import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
-from types import TracebackType
-from typing import Any, NamedTuple, Self
+from contextlib import AsyncExitStack
+from typing import Any, Final, NamedTuple
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
+from kvstream._lifetime import LifetimeState, TaskOwner
 from kvstream._threadsafe import ThreadsafeHandle
 from kvstream.errors import ClosedError, ConfigError, InvalidEventTypeError
 from kvstream.events import EventBatch, KVCacheEvent
@@ -114,7 +115,13 @@ class _Origin:
         self.inputs: list[SourceHandle] = []
 
 
-class Scheduler:
+_NEW: Final = LifetimeState.NEW
+_RUNNING: Final = LifetimeState.RUNNING
+_CLOSING: Final = LifetimeState.CLOSING
+_CLOSED: Final = LifetimeState.CLOSED
+
+
+class Scheduler(TaskOwner):
     """Merges an engine's event inputs into numbered batches and feeds the sinks.
 
 
@@ -157,6 +164,7 @@ class Scheduler:
             raise ConfigError(
                 f"Scheduler.max_pending_events: expected a positive int, got {max_pending_events!r}"
             )
+        TaskOwner.__init__(self)
         self.origin: str = origin or socket.gethostname()
         self.epoch: str = epoch if epoch is not None else secrets.token_hex(8)
         self.data_parallel_rank = data_parallel_rank
@@ -174,8 +182,6 @@ class Scheduler:
         self._handles: list[SourceHandle] = []
         self._merger = SourceMerger()
         self._tg: TaskGroup | None = None
-        self._entered = False
-        self._closed = False
         self._close_report: CloseReport | None = None
         self._closing = anyio.Event()
         self._drain_deadline = math.inf
@@ -190,7 +196,6 @@ class Scheduler:
         # The merger's and the ticker's own scopes: aclose() cancels these, never
         # the task group's scope, which the host's ``async with`` body runs in.
         self._task_scopes: list[anyio.CancelScope] = []
-        self._stopped = False
         self._merger_done = anyio.Event()
         self._tickets = 0
         self._dispatched = 0
@@ -211,13 +216,23 @@ class Scheduler:
 
     # -- lifetime -----------------------------------------------------------------
 
-    async def __aenter__(self) -> Self:
-        if self._entered:
-            raise ClosedError("a Scheduler can be entered only once")
-        self._entered = True
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        self._tg = tg
+    def reentry_error(self) -> ClosedError:
+        return ClosedError("a Scheduler can be entered only once")
+
+    @property
+    def _closed(self) -> bool:
+        """Closing or closed: the scheduler takes nothing new."""
+        return self._state is _CLOSING or self._state is _CLOSED
+
+    async def open_lifetime(self, stack: AsyncExitStack) -> None:
+        """Start the merge, open every sink (each in a task), start the ticker.
+
+        On exit the stack runs `aclose()` (shielded), then ends the tasks.
+        """
+        # Runs last: sinks not opened yet (a start that failed) hold resources too.
+        stack.push_async_callback(self._close_sinks_after_failed_start)
+        tg = self._tg = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(tg.cancel_scope.cancel)
         try:
             tg.start_soon(self._run_merger, name="kvstream source merge")
             for sink in self._sinks:
@@ -225,39 +240,26 @@ class Scheduler:
             if self._ticker is not None:
                 tg.start_soon(self._run_ticker, name="kvstream ticker")
         except BaseException:
-            self._closed = True
+            # The caller gets the sink's own error (a TransportError), not an
+            # exception group around it: the stack exits the group without it.
+            self._set_state(_CLOSING)
             self._merger.close()
             for h in self._handles:
                 h.cancel()
             self._closing.set()
-            tg.cancel_scope.cancel()
             self._tg = None
-            try:
-                # Not handing it the exception: the caller gets the sink's own
-                # error (a TransportError), not an ExceptionGroup around it.
-                await tg.__aexit__(None, None, None)
-            finally:
-                with anyio.CancelScope(shield=True):
-                    for sink in self._sinks:  # those not opened yet hold resources too
-                        await sink.aclose()
             raise
-        return self
+        stack.push_async_callback(self._shielded_aclose)
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        try:
+    async def _shielded_aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.aclose()
+
+    async def _close_sinks_after_failed_start(self) -> None:
+        if self._close_report is None:
             with anyio.CancelScope(shield=True):
-                await self.aclose()
-        finally:
-            tg, self._tg = self._tg, None
-            if tg is not None:
-                tg.cancel_scope.cancel()
-                await tg.__aexit__(None, None, None)
-        return None
+                for sink in self._sinks:
+                    await sink.aclose()
 
     async def aclose(self, timeout: float | None = None) -> CloseReport:
         """Seal what is pending, deliver it to every healthy sink, close everything.
@@ -274,7 +276,7 @@ class Scheduler:
             for done in self._sinks_done:
                 await done.wait()
             return self._close_report or CloseReport((), tuple(self._failed))
-        self._closed = True
+        self._set_state(_CLOSING)
         limit = self.close_timeout if timeout is None else timeout
         deadline = anyio.current_time() + limit
         self._merger.close()
@@ -324,7 +326,7 @@ class Scheduler:
         failed = self._failed + [h.name for h in self._handles if h.polled and h.error is not None]
         report = CloseReport(tuple(reports), tuple(failed))
         self._close_report = report
-        self._stopped = True
+        self._set_state(_CLOSED)
         for scope in self._task_scopes:
             scope.cancel()
         return report
@@ -352,7 +354,7 @@ class Scheduler:
     def _task_scope(self) -> anyio.CancelScope:
         """A cancel scope for one background task, cancelled by `aclose()`."""
         scope = anyio.CancelScope()
-        if self._stopped:
+        if self._state is _CLOSED:
             scope.cancel()
         self._task_scopes.append(scope)
         return scope
@@ -500,17 +502,17 @@ class Scheduler:
         Returns this engine's own batch, or None when it had nothing pending (no
         sequence number is used then).
         """
-        if self._tg is None or self._closed:  # _running(), inline: the hot path
+        if self._state is not _RUNNING:  # _running(), inline: the hot path
             raise self._refusal("tick")
         return await self._tick()
 
     def _running(self) -> bool:
-        return self._tg is not None and not self._closed
+        return self._state is _RUNNING
 
     def _refusal(self, what: str) -> ClosedError:
         if self._closed:
             return ClosedError(f"{what}: the scheduler is closed")
-        if not self._entered:
+        if self._state is _NEW:
             return ClosedError(
                 f"{what}: the scheduler was never entered; use it as "
                 "`async with Scheduler(...) as s:` (nothing it took could be delivered)"
@@ -701,10 +703,11 @@ class Scheduler:
         by a task in its task group, and `aclose` works through what is still
         queued before its last tick. `options` go to `ThreadsafeHandle`.
         """
-        if self._tg is None or self._closed:
+        if self._state is not _RUNNING:
             raise ClosedError(
                 "threadsafe: the scheduler is not running; call it inside `async with scheduler:`"
             )
+        assert self._tg is not None  # set while running
         handle = ThreadsafeHandle(self, **options)
         self._thread_handles.append(handle)
         scope = self._task_scope()

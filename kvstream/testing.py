@@ -235,7 +235,7 @@ class FaultySink(Sink):
         """Return once a send is waiting at the gate (the writer is stuck)."""
         await self._stalled.wait()
 
-    async def send(self, data: bytes, batch: EventBatch) -> None:
+    async def write(self, data: bytes, batch: EventBatch) -> None:
         self.attempts += 1
         gate = self._gate
         if gate is not None:

@@ -15,9 +15,12 @@ from typing import Any
 
 import anyio
 import httpx
+import pytest
 import uvicorn
+from waiting import wait_until
 
-from kvstream import BlockRemoved, BlockStored, JsonCodec
+from kvstream import BlockRemoved, BlockStored, JsonCodec, Scheduler
+from kvstream._lifetime import LifetimeState
 from kvstream.consumers.base import SequenceTracker
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -49,7 +52,7 @@ def run_script(name: str, cwd: Path, *args: str) -> str:
 
 
 def test_every_example_has_a_test() -> None:
-    tested = {"quickstart", "sqlite_sink", "wrap_connector", "asgi_app"}
+    tested = {"quickstart", "sqlite_sink", "tally_sink", "wrap_connector", "asgi_app"}
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -92,6 +95,36 @@ def test_sqlite_sink_keeps_the_database_it_is_given(tmp_path: Path) -> None:
     run_script("sqlite_sink", tmp_path, "kept.db")
     with closing(sqlite3.connect(tmp_path / "kept.db")) as db:
         assert db.execute("SELECT count(*) FROM batches").fetchone() == (5,)
+
+
+async def test_tally_sink_runs_its_own_task_until_it_closes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    example = load("tally_sink")
+    sink = example.TallySink(0.001, name="tally")
+    printed: list[str] = []
+
+    def reported(line: str) -> bool:
+        printed.extend(capsys.readouterr().out.splitlines())
+        return line in printed
+
+    async with Scheduler(sinks=[sink], origin="o") as kv:
+        assert sink.state is LifetimeState.RUNNING
+        kv.emit(BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1], block_size=1))
+        await kv.tick()
+        await wait_until(lambda: reported("tally: {'o': 1}"), "the sink's task to report")
+    assert sink.state.name == "CLOSED"
+    assert sink.statistics().events_out == 1
+    # Its task ended with the sink: nothing prints any more (the leak check sees no task).
+    capsys.readouterr()
+    await anyio.sleep(0.01)
+    assert capsys.readouterr().out == ""
+
+
+def test_tally_sink_runs_as_a_script() -> None:
+    out = run_script("tally_sink", EXAMPLES)
+    assert out.splitlines()[-1] == "closed: {'engine-0': 5}"
+    assert "tally: {'engine-0': 1}" in out
 
 
 async def test_wrapped_connectors_join_the_step_batch() -> None:

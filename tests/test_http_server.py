@@ -243,7 +243,7 @@ _EMFILE_SERVER = textwrap.dedent(
             used = len(os.listdir("/proc/self/fd"))
             resource.setrlimit(resource.RLIMIT_NOFILE, (used + 8, hard))
             await anyio.to_thread.run_sync(sys.stdin.readline)
-            print(m.server_statistics().accept_errors, flush=True)
+            print(m.statistics().accept_errors, flush=True)
 
     anyio.run(main)
     """

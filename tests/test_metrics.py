@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import signal
 import subprocess
@@ -177,13 +178,9 @@ def test_metric_for_field() -> None:
     assert kind_and_name("ratio", 0.5) == ("gauge", "ratio")
 
 
-class ServerStatistics(NamedTuple):
-    address: str
-    subscribers: int
-    slow_disconnects: int
-    gap_notices: int
-    ring_bytes: int
-    batches_out: int  # also a base field: the base record's value wins
+class Snapshots(NamedTuple):
+    requests: int
+    batches_out: int  # also a sink field: the sink's own value wins
 
 
 class Peer(NamedTuple):
@@ -191,14 +188,34 @@ class Peer(NamedTuple):
     batches_sent: int
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ServingStatistics(SinkStatistics):
+    """A transport's record: every SinkStatistics field, then its own."""
+
+    address: str
+    subscribers: int
+    slow_disconnects: int
+    gap_notices: int
+    ring_bytes: int
+    snapshots: Snapshots
+    peers: tuple[Peer, ...]  # one per peer: not exported
+
+
 class ServingSink(MemorySink):
-    """A sink with a transport record beside statistics(), like the socket sink's."""
+    """A sink whose statistics() extends the base record, like the socket sink's."""
 
-    def server_statistics(self) -> ServerStatistics:
-        return ServerStatistics("tcp://127.0.0.1:1", 3, 2, 5, 4096, batches_out=999)
-
-    def subscriber_statistics(self) -> tuple[Peer, ...]:
-        return (Peer("a", 1), Peer("b", 2))  # one per peer: not exported
+    def statistics(self) -> ServingStatistics:
+        base = super().statistics()
+        return ServingStatistics(
+            **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+            address="tcp://127.0.0.1:1",
+            subscribers=3,
+            slow_disconnects=2,
+            gap_notices=5,
+            ring_bytes=4096,
+            snapshots=Snapshots(requests=7, batches_out=999),
+            peers=(Peer("a", 1), Peer("b", 2)),
+        )
 
 
 async def test_a_sinks_transport_record_is_exported() -> None:
@@ -220,6 +237,7 @@ async def test_a_sinks_transport_record_is_exported() -> None:
     assert samples_of["kvstream_sink_subscribers"] == [3]
     assert families["kvstream_sink_ring_bytes"].type == "gauge"
     assert samples_of["kvstream_sink_batches_out"] == [1]
+    assert samples_of["kvstream_sink_requests"] == [7]
     assert not any("peer" in name or "batches_sent" in name for name in families)
 
 
@@ -353,7 +371,9 @@ def test_statistics_record_shape_is_known() -> None:
     # Every SinkStatistics field is mapped explicitly (a new field needs a decision).
     from kvstream.metrics import SINK_FIELDS
 
-    assert set(SinkStatistics._fields) - {"name", "policy"} == set(SINK_FIELDS)
+    assert {f.name for f in dataclasses.fields(SinkStatistics)} - {"name", "policy"} == set(
+        SINK_FIELDS
+    )
     batch = EventBatch(seq=0, ts=1.0, events=[stored(1)], origin="o", epoch="e")
     assert batch.seq == 0
 

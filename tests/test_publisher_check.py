@@ -52,7 +52,7 @@ class Wire:
         self.sub.connect(endpoint)
         sink: Any = self.pub.scheduler.sinks[0]
         deadline = time.monotonic() + 10
-        while sink.zmq_statistics().subscriptions < 1:
+        while sink.statistics().subscriptions < 1:
             assert time.monotonic() < deadline, "never subscribed"
             time.sleep(0.005)
 

@@ -116,7 +116,7 @@ async def test_a_cold_start_begins_whole_from_the_snapshot_by_default() -> None:
         sink.snapshot_provider = host.snapshot
         await host.emit(100)
         await wait_until(lambda: s.statistics().pending_events == 0)
-        assert sink.server_statistics().ring_batches < host.next_seq  # seq 0 is gone
+        assert sink.statistics().ring_batches < host.next_seq  # seq 0 is gone
         consumer = await _open(sink)
         consumers: list[Consumer] = []
         try:
@@ -169,7 +169,7 @@ async def test_socket_consumers_killed_restarted_and_left_behind_end_whole(seed:
         finally:
             for c in consumers:
                 await c.sub.aclose()
-    assert sink.server_statistics().snapshots_sent >= 1
+    assert sink.statistics().snapshots_sent >= 1
 
 
 async def test_heartbeats_tell_an_idle_sink_from_a_gone_one() -> None:
@@ -211,7 +211,7 @@ async def test_kvstream_tail_starts_from_the_snapshot_by_default() -> None:
         sink.snapshot_provider = host.snapshot
         await host.emit(100)
         await wait_until(lambda: s.statistics().pending_events == 0)
-        assert sink.server_statistics().ring_batches < host.next_seq
+        assert sink.statistics().ring_batches < host.next_seq
         tail = ["tail", sink.address, "--count", "1", "--format", "json"]
         with anyio.fail_after(60):
             result = await anyio.run_process([sys.executable, "-m", "kvstream", *tail], check=False)

@@ -263,7 +263,7 @@ async def test_a_late_consumer_starts_from_a_snapshot_long_after_the_ring_forgot
             await consumer.catch_up(publisher.reference)
             stats = consumer.sub.statistics()[0]  # type: ignore[attr-defined]
             assert (stats.snapshots, stats.gaps, stats.epoch) == (1, 0, "e1")
-            served = sink.snapshot_statistics()
+            served = sink.statistics().snapshots
             assert served is not None
             assert served.served == 1
         finally:
@@ -281,7 +281,7 @@ async def test_a_publisher_without_a_snapshot_yet_leaves_the_consumer_as_before(
                 tg.start_soon(consumer.catch_up, publisher.reference, 4)
                 with anyio.fail_after(10):
                     await sink.wait_subscribed(2)  # the stream, and its heartbeats
-                await wait_until(lambda: sink.snapshot_statistics().requests >= 1)  # type: ignore[union-attr]
+                await wait_until(lambda: sink.statistics().snapshots.requests >= 1)  # type: ignore[union-attr]
                 await _publish(sink, publisher, 4)
             assert consumer.snapshots == []
             stats = consumer.sub.statistics()[0]  # type: ignore[attr-defined]
@@ -457,7 +457,7 @@ async def main():
             await anyio.sleep(0.01)
         print("published", flush=True)
         while True:
-            stats = sink.snapshot_statistics()
+            stats = sink.statistics().snapshots
             if stats.requests > 0:
                 print("requested", flush=True)
                 break
@@ -707,7 +707,7 @@ async def test_the_snapshot_endpoint_refuses_what_it_cannot_answer(short_dir: st
                 await dealer.send_multipart(snapshot_request(topic))
                 with anyio.fail_after(10):
                     replies.append(parse_snapshot_message(await dealer.recv_multipart()))
-            stats = sink.snapshot_statistics()
+            stats = sink.statistics().snapshots
     finally:
         dealer.close(linger=0)
         ctx.term()

@@ -38,7 +38,7 @@ PLUGIN = textwrap.dedent(
             self.path = path
             self.copies = copies
 
-        async def send(self, data: bytes, batch: Any) -> None:
+        async def write(self, data: bytes, batch: Any) -> None:
             with open(self.path, "ab") as f:
                 f.write(data * self.copies)
 

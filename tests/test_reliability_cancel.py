@@ -30,7 +30,7 @@ class SlowSink(Sink):
         self.turns = turns
         self.batches: list[EventBatch] = []
 
-    async def send(self, data: bytes, batch: EventBatch) -> None:
+    async def write(self, data: bytes, batch: EventBatch) -> None:
         for _ in range(self.turns):
             await anyio.lowlevel.checkpoint()
         self.batches.append(batch)

@@ -261,7 +261,7 @@ async def test_a_sink_that_never_answers_is_reported_at_close_within_the_deadlin
     silent_report, good_report = report.sinks
     assert good_report.complete
     assert len(good.batches) == 12
-    # All 12 reported: 11 queued and the one stuck in send().
+    # All 12 reported: 11 queued and the one stuck in write().
     assert (silent_report.undelivered_batches, silent_report.undelivered_events) == (12, 36)
     assert silent_report.first_undelivered == ("eng", scheduler.epoch, 0)
     assert silent.statistics().undelivered_batches == 12

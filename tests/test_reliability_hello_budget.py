@@ -41,13 +41,13 @@ async def test_64_connections_without_a_hello_do_not_keep_a_subscriber_out() -> 
             for _ in range(64):
                 idle.append(await anyio.connect_tcp("127.0.0.1", port))
             evicted = 64 - DEFAULT_MAX_PENDING_HELLOS
-            await wait_until(lambda: sink.server_statistics().hellos_evicted == evicted)
+            await wait_until(lambda: sink.statistics().hellos_evicted == evicted)
             async with SocketSubscriber(port=port, from_seq=0, reconnect=False) as sub:
                 for n in range(5):
                     scheduler.emit(events.events(n * 4, (n + 1) * 4))
                     await scheduler.tick()
                 assert await seqs_until(sub, 4) == [0, 1, 2, 3, 4]
-            stats = sink.server_statistics()
+            stats = sink.statistics()
             assert stats.hellos_evicted == evicted + 1  # the subscriber made room too
             assert stats.connections_accepted == 1
             # The oldest idle connection was told why, in one error line, and closed.
@@ -60,7 +60,7 @@ async def test_64_connections_without_a_hello_do_not_keep_a_subscriber_out() -> 
             for stream in idle:
                 await stream.aclose()
         await scheduler.aclose()
-    assert sink.server_statistics().connections_refused >= evicted + 1
+    assert sink.statistics().connections_refused >= evicted + 1
 
 
 async def test_only_subscribers_that_said_hello_count_against_max_subscribers() -> None:
@@ -71,10 +71,10 @@ async def test_only_subscribers_that_said_hello_count_against_max_subscribers() 
             with pytest.raises(TransportError, match="max_subscribers"):
                 async with SocketSubscriber(port=port, reconnect=False):
                     pass
-        await wait_until(lambda: sink.server_statistics().subscribers == 0)
+        await wait_until(lambda: sink.statistics().subscribers == 0)
         async with SocketSubscriber(port=port, reconnect=False):  # the slot is free again
             pass
-    assert sink.server_statistics().hellos_evicted == 0
+    assert sink.statistics().hellos_evicted == 0
 
 
 @pytest.mark.parametrize("value", [0, -1, 2.0, "4"])

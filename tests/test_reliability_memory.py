@@ -85,8 +85,8 @@ CHILD = textwrap.dedent(
                 "grown": grown,
                 "stalled_queued": st.queued_bytes,
                 "stalled_dropped": st.batches_dropped,
-                "socket_ring": socket_sink.server_statistics().ring_bytes,
-                "zmq_ring": zmq_sink.zmq_statistics().ring_bytes,
+                "socket_ring": socket_sink.statistics().ring_bytes,
+                "zmq_ring": zmq_sink.statistics().ring_bytes,
                 "bytes_out": socket_sink.statistics().bytes_out,
             }))
             stalled.release()
@@ -119,7 +119,7 @@ def test_rss_stays_within_the_bounds_of_outbox_and_rings(shape: str) -> None:
 
 REPLAY_CHILD = textwrap.dedent(
     """
-    import gc, json, sys
+    import dataclasses, gc, json, sys
     import anyio
     import zmq
 
@@ -158,13 +158,13 @@ REPLAY_CHILD = textwrap.dedent(
                     clients.append(c)  # never read, never closed: the attack
                 with anyio.fail_after(30):
                     while True:
-                        st = sink.zmq_statistics()
+                        st = sink.statistics()
                         if st.replays_abandoned + st.replays_completed >= 8 * (wave + 1):
                             break
                         await anyio.sleep(0.05)
             gc.collect()
             grown = rss() - before
-            print(json.dumps({"grown": grown, "stats": sink.zmq_statistics()._asdict()}))
+            print(json.dumps({"grown": grown, "stats": dataclasses.asdict(sink.statistics())}))
         for c in clients:
             c.close(linger=0)
         ctx.term()

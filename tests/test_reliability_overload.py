@@ -1,6 +1,6 @@
 """Overload: a sink stalled while the engine keeps ticking.
 
-The stalled sink's ``send`` waits at a gate the test holds closed (a
+The stalled sink's ``write`` waits at a gate the test holds closed (a
 :class:`~kvstream.testing.FaultySink`), so the stall is a fact, not a timing.
 With ``drop_oldest``/``drop_newest`` every tick runs to its end without
 suspending once (checked by stepping the ``tick()`` coroutine by hand), the
@@ -70,7 +70,7 @@ async def test_a_stalled_drop_sink_never_makes_the_tick_wait(
 
         stalled.stall()
         emit_and_tick()
-        await stalled.wait_stalled()  # the writer is inside send(), at the gate
+        await stalled.wait_stalled()  # the writer is inside write(), at the gate
 
         tracemalloc.start()
         try:

@@ -92,7 +92,7 @@ async def test_a_batch_over_the_subscribers_cap_becomes_one_gap_on_one_connectio
     assert all(g.reason == "too_large" and g.missing == 1 for g in gaps)
     assert stats.connections == 1  # no reconnect
     assert (stats.gaps, stats.missing_batches) == (3, 3)
-    server = sink.server_statistics()
+    server = sink.statistics()
     assert server.too_large == 3
     assert server.subscriber_batches_dropped == 3
     assert server.gap_notices == 3
@@ -122,7 +122,7 @@ async def test_a_subscriber_with_the_default_cap_gets_every_batch_and_says_nothi
             seqs = await seqs_until(sub, 2)
         await scheduler.aclose()
     assert seqs == [0, 1, 2]
-    assert sink.server_statistics().too_large == 0
+    assert sink.statistics().too_large == 0
 
 
 @pytest.mark.parametrize("value", [1023, -1, "big", 2.5, True])
@@ -164,5 +164,5 @@ async def test_a_snapshot_over_the_cap_becomes_a_gap_up_to_where_it_stood() -> N
     assert got[-1].seq == gap.next_seq  # the next batch follows where the snapshot stood
     assert stats.connections == 1
     assert stats.snapshots == 0
-    server = sink.server_statistics()
+    server = sink.statistics()
     assert (server.too_large, server.snapshots_sent) == (1, 0)

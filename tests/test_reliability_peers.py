@@ -148,7 +148,7 @@ async def test_hostile_socket_peers_are_refused_and_the_subscriber_misses_nothin
         "unknown-key": "bad_hello",
         "negative": "bad_hello",
     }
-    stats = sink.server_statistics()
+    stats = sink.statistics()
     assert stats.connections_refused == 9
     # Nine refusals in one burst: one warning, the rest at debug level.
     warnings = [
@@ -200,7 +200,7 @@ async def test_a_subscriber_vanishing_mid_write_costs_the_others_nothing(
                     seen.check(item)
                     if seen.batches == 2300:
                         break
-            await wait_until(lambda: sink.server_statistics().subscribers == 1, timeout=10)
+            await wait_until(lambda: sink.statistics().subscribers == 1, timeout=10)
         report = await scheduler.aclose()
     assert report.complete
     assert vanished == 5
@@ -407,7 +407,7 @@ async def test_the_zmq_replay_router_survives_malformed_requests_and_leaving_cli
             for frames in malformed:
                 await hostile.send_multipart(frames)
             # One burst: all of it arrives before any valid request.
-            await wait_until(lambda: sink.zmq_statistics().replay_malformed == len(malformed))
+            await wait_until(lambda: sink.statistics().replay_malformed == len(malformed))
 
             # A well-formed request still gets exactly what the ring holds, in order.
             dealer = ctx.socket(zmq.DEALER)
@@ -436,8 +436,8 @@ async def test_the_zmq_replay_router_survives_malformed_requests_and_leaving_cli
                 await anyio.sleep(0.01)
             replies = await _replay(dealer, 0)
             assert [r.seq for r in replies] == list(range(produced - 50, produced))
-            await wait_until(lambda: not sink.zmq_statistics().replays_active, timeout=20)
-            stats = sink.zmq_statistics()
+            await wait_until(lambda: not sink.statistics().replays_active, timeout=20)
+            stats = sink.statistics()
             hostile.close()
             dealer.close()
             report = await scheduler.aclose()

@@ -100,7 +100,7 @@ async def test_aclose_does_not_wait_on_a_full_block_sink_and_reports_what_it_hol
     stuck_report, healthy_report = report.sinks
     assert healthy_report.complete
     assert (healthy_seen.batches, healthy_seen.gaps) == (5, 0)
-    # 1 in send() + 2 queued + seq 3 (waiting) + seq 4 (sealed at close): all reported.
+    # 1 in write() + 2 queued + seq 3 (waiting) + seq 4 (sealed at close): all reported.
     assert (stuck_report.undelivered_batches, stuck_report.undelivered_events) == (5, 25)
     assert stuck_report.first_undelivered == ("eng", scheduler.epoch, 0)
     assert stuck.statistics().batches_dropped == 0
@@ -215,7 +215,7 @@ def test_demo_reports_what_a_stuck_sink_could_not_deliver(workdir: Path) -> None
     assert match is not None, stderr
     total = int(match.group(1)) + 1
     assert [b.seq for b in JsonCodec().decode_lines(path.read_bytes())] == list(range(total))
-    # The stuck sink: one batch in its send(), the rest queued; all reported.
+    # The stuck sink: one batch in its write(), the rest queued; all reported.
     assert re.search(rf"-> stuck: 0 batches, .*{total} NOT delivered", stderr), stderr
     assert f"stuck: {total} batches" in stderr  # the log record of the drain
     assert "Traceback" not in stderr

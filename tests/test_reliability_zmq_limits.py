@@ -115,12 +115,12 @@ async def test_displaced_or_refused_replay_requests_are_logged_once_per_burst(
             # displacing the stalled one before it (or refused while none is stalled).
             clients = [_stalled_dealer(ctx, replay_endpoint) for _ in range(41)]
             await clients[0].send_multipart(wire.replay_request(0))
-            await wait_until(lambda: sink.zmq_statistics().replays_active == 1)
+            await wait_until(lambda: sink.statistics().replays_active == 1)
             for dealer in clients[1:]:
                 await dealer.send_multipart(wire.replay_request(0))
 
             def answered() -> int:
-                st = sink.zmq_statistics()
+                st = sink.statistics()
                 return st.replays_abandoned + st.replay_busy
 
             await wait_until(lambda: answered() == 40)
@@ -202,13 +202,13 @@ async def test_a_stalled_replay_gives_its_slot_to_a_new_request() -> None:
             await _fill(scheduler, sink)
             stalled = _stalled_dealer(ctx, endpoint)
             await stalled.send_multipart(wire.replay_request(0))
-            await wait_until(lambda: sink.zmq_statistics().replay_waits > 0)
+            await wait_until(lambda: sink.statistics().replay_waits > 0)
             reader = ctx.socket(zmq.DEALER)
             reader.setsockopt(zmq.LINGER, 0)
             reader.connect(endpoint)
             await reader.send_multipart(wire.replay_request(0))
             assert await _read_replay(reader) == list(range(200))
-            st = sink.zmq_statistics()
+            st = sink.statistics()
             assert (st.replay_busy, st.replays_abandoned) == (0, 1)
             stalled.close()
             reader.close()

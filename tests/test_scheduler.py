@@ -122,7 +122,7 @@ class GatedSink(Sink):
         self.gate = anyio.Event()
         self.batches: list[EventBatch] = []
 
-    async def send(self, data: bytes, batch: EventBatch) -> None:
+    async def write(self, data: bytes, batch: EventBatch) -> None:
         await self.gate.wait()
         self.batches.append(batch)
 

@@ -45,7 +45,7 @@ def batch(seq: int, n_events: int = 1, origin: str = "o") -> EventBatch:
 
 
 class GatedSink(Sink):
-    """``send`` waits until the test opens the gate."""
+    """``write`` waits until the test opens the gate."""
 
     def __init__(self, **options: Any) -> None:
         options.setdefault("codec", None)
@@ -53,7 +53,7 @@ class GatedSink(Sink):
         self.gate = anyio.Event()
         self.batches: list[EventBatch] = []
 
-    async def send(self, data: bytes, batch: EventBatch) -> None:
+    async def write(self, data: bytes, batch: EventBatch) -> None:
         await self.gate.wait()
         self.batches.append(batch)
 
@@ -63,7 +63,7 @@ class GatedSink(Sink):
 
 
 class FlakySink(Sink):
-    """``send`` raises while ``failing`` is true (or for the first ``fail_first`` sends)."""
+    """``write`` raises while ``failing`` is true (or for the first ``fail_first`` writes)."""
 
     def __init__(self, fail_first: int = 0, **options: Any) -> None:
         options.setdefault("codec", None)
@@ -76,7 +76,7 @@ class FlakySink(Sink):
         self.recovered: list[Exception] = []
         self.batches: list[EventBatch] = []
 
-    async def send(self, data: bytes, batch: EventBatch) -> None:
+    async def write(self, data: bytes, batch: EventBatch) -> None:
         self.attempts += 1
         if self.failing or self.attempts <= self.fail_first:
             raise TransportError(f"attempt {self.attempts} failed")
@@ -124,7 +124,7 @@ class RecordingSink(Sink):
         super().__init__(**options)
         self.data: list[bytes] = []
 
-    async def send(self, data: bytes, batch: EventBatch) -> None:
+    async def write(self, data: bytes, batch: EventBatch) -> None:
         self.data.append(data)
 
 

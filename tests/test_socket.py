@@ -348,7 +348,7 @@ async def test_many_subscribers_get_every_batch_in_order(no_leaked_tasks: None) 
             for sub in subs:
                 assert seqs(await take(sub, 50)) == list(range(50))
             assert seqs(await take(late, 30)) == list(range(20, 50))
-            assert sink.server_statistics().subscribers == 7
+            assert sink.statistics().subscribers == 7
         finally:
             for sub in [*subs, late]:
                 await sub.aclose()
@@ -425,7 +425,7 @@ async def test_a_slow_subscriber_is_disconnected_and_never_slows_the_others() ->
     async with Scheduler(sinks=[sink], origin="o") as s:
         stalled = stalled_client(port_of(sink), b'{"from_seq": 0}\n')
         async with SocketSubscriber(port=port_of(sink), from_seq=0) as fast:
-            await wait_until(lambda: sink.server_statistics().subscribers == 2, "both joined")
+            await wait_until(lambda: sink.statistics().subscribers == 2, "both joined")
             got: list[int] = []
             async with anyio.create_task_group() as tg:
 
@@ -440,7 +440,7 @@ async def test_a_slow_subscriber_is_disconnected_and_never_slows_the_others() ->
                         await anyio.sleep(0.001)  # the fast reader's pace
             assert got == list(range(200))
             assert fast.statistics().connections == 1  # never disconnected
-            stats = sink.server_statistics()
+            stats = sink.statistics()
             assert stats.slow_disconnects == 1
             assert stats.subscribers == 1
         # The stalled one was closed: what its socket held, then the end of the stream.
@@ -456,9 +456,7 @@ async def test_slow_drop_skips_batches_with_a_gap_notice_and_counts_them() -> No
         async with SocketSubscriber(port=port_of(sink), from_seq=0) as slow:
             # Not iterating: nothing reads its socket until all is produced.
             await produce(s, 0, 300, size=4000)
-            await wait_until(
-                lambda: sink.server_statistics().subscriber_batches_dropped > 0, "drops"
-            )
+            await wait_until(lambda: sink.statistics().subscriber_batches_dropped > 0, "drops")
             await produce(s, 300, 1)
             items = await take_until(slow, 300)
         gaps = [i for i in items if isinstance(i, Gap)]
@@ -472,7 +470,7 @@ async def test_slow_drop_skips_batches_with_a_gap_notice_and_counts_them() -> No
             else:
                 covered.append(item.seq)
         assert covered == list(range(301))
-        assert sink.server_statistics().subscriber_batches_dropped == sum(g.missing for g in gaps)
+        assert sink.statistics().subscriber_batches_dropped == sum(g.missing for g in gaps)
 
 
 async def test_resume_after_a_disconnect_loses_nothing_within_the_ring() -> None:
@@ -504,7 +502,7 @@ async def test_resume_beyond_the_ring_gets_a_gap_notice() -> None:
             items = await take(sub, 100 - info.oldest)
         assert items[0] == Gap("o", s.epoch, 0, info.oldest, "evicted")
         assert seqs(items) == list(range(info.oldest, 100))
-        assert sink.server_statistics().gap_notices == 1
+        assert sink.statistics().gap_notices == 1
 
 
 async def test_from_seq_ahead_of_the_stream_is_refused() -> None:
@@ -544,7 +542,7 @@ async def test_resume_beyond_the_ring_with_a_snapshot_is_consistent() -> None:
         await _run_engine(engine, s, 150)
         sealed = s.statistics().next_seq[s.origin]
         await wait_until(lambda: sink.statistics().batches_out == sealed, "all in the ring")
-        assert sink.server_statistics().ring_batches < sealed  # seq 0 is gone from the ring
+        assert sink.statistics().ring_batches < sealed  # seq 0 is gone from the ring
         items: list[SubscriberItem] = []
         async with (
             SocketSubscriber(port=port_of(sink), from_seq=0) as sub,
@@ -574,7 +572,7 @@ async def test_resume_beyond_the_ring_with_a_snapshot_is_consistent() -> None:
     assert [b.seq for b in batches] == list(range(snapshot.seq + 1, snapshot.seq + 21))
     report = check_consistency([snapshot, *batches], start_seq=None)
     assert report.batches == len(items)
-    assert sink.server_statistics().snapshots_sent == 1
+    assert sink.statistics().snapshots_sent == 1
 
 
 async def test_without_a_tick_the_snapshot_falls_back_to_a_gap() -> None:
@@ -613,7 +611,7 @@ async def test_bad_hellos_get_one_error_line_and_never_crash_the_sink() -> None:
             assert len(lines) == 1, (data[:40], lines)
             assert lines[0]["type"] == "error"
             assert lines[0]["code"] == code
-        assert sink.server_statistics().connections_refused == 7
+        assert sink.statistics().connections_refused == 7
         await produce(s, 0, 3)
         async with SocketSubscriber(port=port, from_seq=0) as sub:
             assert seqs(await take(sub, 3)) == [0, 1, 2]
@@ -753,7 +751,7 @@ async def test_close_ends_subscribers_cleanly_and_leaks_nothing(
         await stalled.aclose()
         await sub.aclose()
     assert received == list(range(25))
-    assert sink.server_statistics().subscribers == 0
+    assert sink.statistics().subscribers == 0
     assert open_fds() <= before
 
 

@@ -156,7 +156,7 @@ async def test_tail_a_socket_sink_from_seq_with_a_gap_warning() -> None:
         with anyio.fail_after(DEADLINE):
             while sink.statistics().batches_out < 40:  # noqa: ASYNC110 - the sink's counter
                 await anyio.sleep(0.01)
-        oldest = 40 - sink.server_statistics().ring_batches
+        oldest = 40 - sink.statistics().ring_batches
         assert oldest > 0
         code, out, err = await run_tail(
             sink.address, "--from-seq", "0", "--count", str(40 - oldest), "--format", "json"
@@ -257,7 +257,7 @@ async def test_tail_retries_an_unreachable_socket_until_it_comes_up() -> None:
         sink = SocketSink(host="127.0.0.1", port=port)
         async with Scheduler(sinks=[sink], origin="late") as s:
             with anyio.fail_after(DEADLINE):
-                while not sink.server_statistics().subscribers:
+                while not sink.statistics().subscribers:
                     s.emit(BlockRemoved(block_hashes=[1], medium="GPU"))
                     await s.tick()
                     await anyio.sleep(0.1)

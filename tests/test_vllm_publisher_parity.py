@@ -176,7 +176,7 @@ def wait_subscribed(publisher: EventPublisher, count: int = 1) -> None:
     """Instead of vLLM's sleeps: wait until the PUB side has seen the subscriptions."""
     sink: Any = publisher.scheduler.sinks[0]
     deadline = time.monotonic() + 10
-    while sink.zmq_statistics().subscriptions < count:
+    while sink.statistics().subscriptions < count:
         assert time.monotonic() < deadline, "the subscriber never subscribed"
         time.sleep(0.005)
 

@@ -111,7 +111,7 @@ async def subscribe(
         sub.setsockopt(zmq.RCVHWM, rcvhwm)
         sub.setsockopt(zmq.RCVBUF, 4096)
     sub.setsockopt(zmq.SUBSCRIBE, topic)
-    before = sink.zmq_statistics().subscriptions
+    before = sink.statistics().subscriptions
     sub.connect(sink.endpoint)
     with anyio.fail_after(10):
         await sink.wait_subscribed(before + 1)
@@ -392,7 +392,7 @@ async def test_replay_from_the_middle_and_from_before_the_ring(ctx: Sockets) -> 
         assert [s for _, s, _ in early] == list(range(15, 25))
         beyond = await read_replay(await replay(ctx, sink.replay_endpoint or "", 99))
         assert beyond == []
-        st = sink.zmq_statistics()
+        st = sink.statistics()
         assert (st.ring_batches, st.replays_completed, st.replay_requests) == (10, 3, 3)
 
 
@@ -405,7 +405,7 @@ async def test_ring_is_bounded_in_bytes(ctx: Sockets) -> None:
             await scheduler.tick()
         with anyio.fail_after(10):
             await wait_until(lambda: not (sink.statistics().batches_out < 40))
-        st = sink.zmq_statistics()
+        st = sink.statistics()
         assert 0 < st.ring_batches < 40
         assert st.ring_bytes <= 4096
         kept = await read_replay(await replay(ctx, sink.replay_endpoint or "", 0))
@@ -440,17 +440,17 @@ async def test_long_replay_to_a_slow_reader_loses_nothing_and_live_goes_on(
         async with anyio.create_task_group() as tg:
             tg.start_soon(slow_reader)
             with anyio.fail_after(10):
-                await wait_until(lambda: sink.zmq_statistics().replay_waits > 0)
+                await wait_until(lambda: sink.statistics().replay_waits > 0)
             # While the reply is paced, live publishing is not held up.
             for i in range(n, n + 5):
                 scheduler.emit(stored(i))
                 await scheduler.tick()
             live_seqs = [int.from_bytes((await recv(live))[1], "big") for _ in range(5)]
             assert live_seqs == list(range(n, n + 5))
-            assert sink.zmq_statistics().replays_active == 1  # the reply is still running
+            assert sink.statistics().replays_active == 1  # the reply is still running
         assert got == list(range(n + 5))[: len(got)]
         assert len(got) >= n
-    st = sink.zmq_statistics()
+    st = sink.statistics()
     assert st.replays_completed == 1
     assert st.replays_abandoned == 0
     assert st.replay_waits > 0
@@ -465,10 +465,10 @@ async def test_replay_to_a_client_that_went_away_is_abandoned(ctx: Sockets, shor
             await scheduler.tick()
         dealer = await replay(ctx, sink.replay_endpoint or "", 0, rcvhwm=2)
         with anyio.fail_after(10):
-            await wait_until(lambda: sink.zmq_statistics().replay_waits > 0)
+            await wait_until(lambda: sink.statistics().replay_waits > 0)
         dealer.close(linger=0)
         with anyio.fail_after(10):
-            await wait_until(lambda: sink.zmq_statistics().replays_abandoned > 0)
+            await wait_until(lambda: sink.statistics().replays_abandoned > 0)
         # The server goes on serving others.
         assert len(await read_replay(await replay(ctx, sink.replay_endpoint or "", 395))) == 5
 
@@ -486,7 +486,7 @@ async def test_malformed_replay_requests_are_ignored_and_counted(ctx: Sockets) -
         await dealer.send_multipart([bytes(8)])  # no delimiter
         await dealer.send_multipart([b"", bytes(8)])  # good
         assert [s for _, s, _ in await read_replay(dealer)] == [0]
-        st = sink.zmq_statistics()
+        st = sink.statistics()
         assert (st.replay_malformed, st.replay_requests, st.replays_completed) == (3, 1, 1)
 
 
@@ -507,7 +507,7 @@ async def test_full_pipe_is_counted_as_drops_and_kept_for_replay(
             )
             await wait_until(lambda: not (sink.statistics().queued_batches))
         st = sink.statistics()
-        zst = sink.zmq_statistics()
+        zst = sink.statistics()
         assert zst.pipe_full > 0
         assert st.batches_dropped >= zst.pipe_full
         assert zst.ring_batches == n  # dropped live, still replayable
@@ -567,8 +567,8 @@ async def test_topics_per_origin_and_fixed_topic_refusing_a_second_origin(
         scheduler.emit(stored(9), origin="bad@origin")
         await scheduler.tick()
         with anyio.fail_after(10):
-            await wait_until(lambda: not (per_origin.zmq_statistics().batches_unroutable < 1))
-            await wait_until(lambda: not (fixed.zmq_statistics().batches_unroutable < 4))
+            await wait_until(lambda: not (per_origin.statistics().batches_unroutable < 1))
+            await wait_until(lambda: not (fixed.statistics().batches_unroutable < 4))
     assert fixed.statistics().batches_dropped == 4  # gpu-b's three and bad@origin's
     assert per_origin.statistics().batches_dropped == 1
 
@@ -600,7 +600,7 @@ async def test_strict_sink_refuses_events_and_counts_them(ctx: Sockets) -> None:
     assert first.events == [as_vllm(good)]
     assert int.from_bytes(second[1], "big") == 1
     assert _vllm_decoder.decode(second[2]).events == []
-    assert sink.zmq_statistics().events_refused == 3
+    assert sink.statistics().events_refused == 3
     assert sink.statistics().batches_dropped == 0
 
 
@@ -909,7 +909,7 @@ def test_event_publisher_drop_in(short_dir: str) -> None:
             sink = publisher.scheduler.sinks[0]
             assert isinstance(sink, ZmqSink)
             for _ in range(1000):  # the publisher's loop runs in its own thread
-                if sink.zmq_statistics().subscriptions:
+                if sink.statistics().subscriptions:
                     break
                 time.sleep(0.01)
             events: list[vllm.BlockStored | vllm.BlockRemoved | vllm.AllBlocksCleared] = [

@@ -47,10 +47,10 @@ class NullSink(Sink):
         if target <= 0:
             self.done.set()
 
-    async def send(self, data: bytes, batch: EventBatch) -> None:
-        self.send_nowait(data, batch)
+    async def write(self, data: bytes, batch: EventBatch) -> None:
+        self.write_nowait(data, batch)
 
-    def send_nowait(self, data: bytes, batch: EventBatch) -> bool:
+    def write_nowait(self, data: bytes, batch: EventBatch) -> bool:
         self.nbytes += len(data)
         self.received += len(batch.events)
         if self.received >= self.target:

@@ -1,7 +1,7 @@
 """Memory under a stalled sink (issue item 5).
 
 A scheduler feeds two sinks with the same JSON codec: a healthy null sink and a
-sink whose `send` never returns (a stalled transport) with a configured bound
+sink whose `write` never returns (a stalled transport) with a configured bound
 (`max_bytes`). Because the codec is shared, every batch the healthy sink
 encodes carries its bytes while it waits in the stalled sink's outbox, so the
 outbox holds real encoded bytes, as it would with a slow socket.
@@ -50,9 +50,9 @@ _SLACK = 32 * _MB
 
 
 class StalledSink(Sink):
-    """A sink whose transport never accepts anything: `send` waits forever."""
+    """A sink whose transport never accepts anything: `write` waits forever."""
 
-    async def send(self, data: bytes, batch: EventBatch) -> None:
+    async def write(self, data: bytes, batch: EventBatch) -> None:
         await anyio.sleep_forever()
 
 

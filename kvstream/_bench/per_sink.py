@@ -158,7 +158,7 @@ def _socket_case(kind: str, folder: str, probe: list[Any]) -> Setup:
         counter: CounterProcess | None = None
 
         def delivered() -> int:
-            return sum(s.batches_sent for s in sink.subscriber_statistics())
+            return sum(s.batches_sent for s in sink.statistics().peers)
 
         async def ready(scheduler: Scheduler) -> None:
             nonlocal counter
@@ -167,7 +167,7 @@ def _socket_case(kind: str, folder: str, probe: list[Any]) -> Setup:
                 address = address[len("tcp://") :]
             counter = CounterProcess("stream", address)
             counter.command("arm")
-            while sink.server_statistics().subscribers < 1:  # noqa: ASYNC110 - no event
+            while sink.statistics().subscribers < 1:  # noqa: ASYNC110 - no event
                 await anyio.sleep(0.01)
             await _probe_until(scheduler, delivered, probe)
 

@@ -168,7 +168,7 @@ async def _kvstream_run(
             # A long-running publisher's ring is full: fill it (untimed) so that the
             # timed run measures the ring as it is for all but its first minutes.
             def full() -> bool:
-                st = sink.zmq_statistics()
+                st = sink.statistics()
                 return st.ring_bytes >= ring_bytes * 0.9 or st.ring_batches >= sink.buffer_steps
 
             while not full():

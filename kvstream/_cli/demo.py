@@ -279,7 +279,7 @@ async def run(args: argparse.Namespace) -> int:
                     await anyio.sleep(0.25)
                     waited += 0.25
                     for sink in zmq_sinks:
-                        if sink.zmq_statistics().subscriptions > 0:
+                        if sink.statistics().subscriptions > 0:
                             subscribed.add(id(sink))
                         elif (
                             waited >= QUIET_HINT_AFTER

@@ -30,15 +30,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from types import TracebackType
-from typing import Final, NamedTuple, Self
+from typing import Final, NamedTuple
 
 import anyio
 import h11
 from anyio.abc import SocketAttribute, SocketListener, SocketStream, TaskGroup
 from anyio.streams.stapled import MultiListener
 
+from kvstream._lifetime import LifetimeState, TaskOwner
 from kvstream._wire.socket_security import bearer_authorized, check_listen_address
 from kvstream.errors import ClosedError, ConfigError, TransportError
 from kvstream.sinks.burst_log import BurstLog
@@ -165,7 +166,7 @@ class _Slot:
     in_head: bool = False
 
 
-class HttpServer:
+class HttpServer(TaskOwner):
     """Serves `handler` on `host:port` (port 0: any free port; see `port`).
 
     An async context manager; `aclose()` is idempotent. Connections are kept
@@ -187,6 +188,7 @@ class HttpServer:
         keep_alive: bool = True,
         error_format: ErrorFormat = text_error,
     ) -> None:
+        TaskOwner.__init__(self)
         check_listen_address(host, token, name, token_hint)
         if type(port) is not int or not 0 <= port <= 65535:
             raise ConfigError(f"{name}: port: expected 0..65535, got {port!r}")
@@ -199,9 +201,7 @@ class HttpServer:
         self._token = token
         self._requested_port = port
         self._listener: MultiListener[SocketStream] | None = None
-        self._tg: TaskGroup | None = None
         self._serving: anyio.CancelScope | None = None
-        self._state = "new"  # new -> open -> closed
         self._slots: dict[_Slot, None] = {}  # insertion order: the oldest first
         self._handler_log = BurstLog(log)
         self._accept_log = BurstLog(log)
@@ -232,9 +232,11 @@ class HttpServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
-    async def __aenter__(self) -> Self:
-        if self._state != "new":
-            raise ClosedError(f"{self.name}: a server can be entered only once")
+    def reentry_error(self) -> ClosedError:
+        return ClosedError(f"{self.name}: a server can be entered only once")
+
+    async def open_lifetime(self, stack: AsyncExitStack) -> None:
+        """Listen, then serve in a task; on exit stop serving and close the listener."""
         try:
             listener = await anyio.create_tcp_listener(
                 local_host=self.host, local_port=self._requested_port, reuse_port=False
@@ -244,37 +246,24 @@ class HttpServer:
                 f"{self.name}: cannot listen on {self.host}:{self._requested_port}: {exc}"
             ) from exc
         self._listener = listener
+        stack.push_async_callback(self._close_listener, listener)
         self._serving = anyio.CancelScope()
-        self._state = "open"
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        self._tg = tg
+        tg = await stack.enter_async_context(anyio.create_task_group())
         # The serving tasks run under a scope of their own, so that aclose()
         # stops them without cancelling the owner's ``async with`` body.
         tg.start_soon(self._serve, name=f"kvstream {self.name} accept")
-        return self
+        stack.push_async_callback(self.aclose)
+
+    @staticmethod
+    async def _close_listener(listener: MultiListener[SocketStream]) -> None:
+        with anyio.CancelScope(shield=True):
+            await listener.aclose()
 
     async def aclose(self) -> None:
         """Stop accepting and close every connection. Idempotent."""
-        self._state = "closed"
+        self._set_state(LifetimeState.CLOSED)
         if self._serving is not None:
             self._serving.cancel()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-        tg, self._tg = self._tg, None
-        try:
-            if tg is not None:
-                await tg.__aexit__(None, None, None)
-        finally:
-            if self._listener is not None:
-                with anyio.CancelScope(shield=True):
-                    await self._listener.aclose()
 
     def statistics(self) -> HttpServerStatistics:
         return HttpServerStatistics(

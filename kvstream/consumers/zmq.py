@@ -116,9 +116,9 @@ if TYPE_CHECKING:
     from kvstream.config import Options, ParsedURL
 
 __all__ = [
-    "PublisherStatistics",
     "PublisherStream",
     "ZmqPublisher",
+    "ZmqPublisherStatistics",
     "ZmqSubscriber",
     "default_origin",
 ]
@@ -226,7 +226,7 @@ class ZmqPublisher:
         return "*" in self.endpoint if self.bind is None else self.bind
 
 
-class PublisherStatistics(NamedTuple):
+class ZmqPublisherStatistics(NamedTuple):
     """Counters of one publisher's stream."""
 
     origin: str
@@ -749,8 +749,8 @@ class PublisherStream:
             self.replayed += 1
         return [batch]
 
-    def statistics(self) -> PublisherStatistics:
-        return PublisherStatistics(
+    def statistics(self) -> ZmqPublisherStatistics:
+        return ZmqPublisherStatistics(
             origin=self.origin,
             epoch=self.epoch,
             next_seq=self.expected,
@@ -970,7 +970,7 @@ class ZmqSubscriber(Subscriber):
     def publishers(self) -> tuple[ZmqPublisher, ...]:
         return tuple(link.spec for link in self._links)
 
-    def statistics(self) -> tuple[PublisherStatistics, ...]:
+    def statistics(self) -> tuple[ZmqPublisherStatistics, ...]:
         """One record per origin: per connected publisher, per fan-in origin heard."""
         return tuple(s.statistics() for s in self._streams())
 

@@ -24,14 +24,15 @@ HTTP layer is `kvstream._wire.http` (h11 under anyio, with its limits).
 from __future__ import annotations
 
 import logging
-from types import TracebackType
-from typing import Any, Final, Self
+from contextlib import AsyncExitStack
+from typing import Any, Final
 from urllib.parse import unquote
 
 import orjson
 
+from kvstream._lifetime import TaskOwner
 from kvstream._wire.http import HttpLimits, HttpServer, HttpServerStatistics, Request, Response
-from kvstream.errors import ConfigError
+from kvstream.errors import ClosedError, ConfigError
 from kvstream.index._prefix import PrefixIndex, PrefixMatch
 from kvstream.sinks.burst_log import BurstLog
 
@@ -51,7 +52,7 @@ class _HttpError(Exception):
         self.allow = allow
 
 
-class QueryServer:
+class QueryServer(TaskOwner):
     """Serves `index` on `host:port` (port 0: any free port; see `port`).
 
     An async context manager; `aclose()` is idempotent. The index is read
@@ -59,7 +60,7 @@ class QueryServer:
     The HTTP layer is kvstream's one server (`HttpServer`),
     with its documented limits: `max_connections` (idle connections make room
     for new ones), head size and time, `max_request_bytes` per body,
-    `idle_timeout` for keep-alive; `server_statistics()` counts every refusal.
+    `idle_timeout` for keep-alive; `statistics()` counts every refusal.
     """
 
     def __init__(
@@ -74,6 +75,7 @@ class QueryServer:
         token: str | None = None,
         limits: HttpLimits | None = None,
     ) -> None:
+        TaskOwner.__init__(self)
         if type(max_request_bytes) is not int or max_request_bytes <= 0:
             raise ConfigError(
                 f"max_request_bytes: expected a positive int, got {max_request_bytes!r}"
@@ -112,21 +114,15 @@ class QueryServer:
     def url(self) -> str:
         return self._http.url
 
-    def server_statistics(self) -> HttpServerStatistics:
+    def statistics(self) -> HttpServerStatistics:
         """The HTTP listener's counters (connections, refusals, timeouts)."""
         return self._http.statistics()
 
-    async def __aenter__(self) -> Self:
-        await self._http.__aenter__()
-        return self
+    def reentry_error(self) -> ClosedError:
+        return self._http.reentry_error()
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._http.__aexit__(exc_type, exc, tb)
+    async def open_lifetime(self, stack: AsyncExitStack) -> None:
+        await stack.enter_async_context(self._http)
 
     async def aclose(self) -> None:
         """Stop accepting and close every connection. Idempotent."""

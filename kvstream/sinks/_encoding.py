@@ -12,7 +12,7 @@ A sink outside a scheduler has a private encoding of its own. Either way a sink
 encodes when the batch is offered to it (on the scheduler's tick), so its
 outbox holds encoded bytes and is bounded by what they really cost
 (`held_bytes()`), and a sink whose transport has room can write at once
-(see [`kvstream.sinks.base.Sink.send_nowait()`][kvstream.sinks.base.Sink.send_nowait]).
+(see [`kvstream.sinks.base.Sink.write_nowait()`][kvstream.sinks.base.Sink.write_nowait]).
 """
 
 from __future__ import annotations

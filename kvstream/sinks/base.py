@@ -1,6 +1,6 @@
 """The sink contract and the machinery every sink shares.
 
-A sink author writes one coroutine, `Sink.send()`, that writes one encoded
+A sink author writes one coroutine, `Sink.write()`, that writes one encoded
 batch to the transport, plus `Sink.open()` / `Sink.aclose()` when the
 transport has a lifetime. Everything else lives here:
 
@@ -15,10 +15,10 @@ transport has a lifetime. Everything else lives here:
   (`kvstream.sinks._encoding`), so the outbox holds encoded bytes and is
   bounded by what they cost;
 * the **inline write**: a sink whose transport can take a batch without waiting
-  (`Sink.send_nowait()`: a ZMQ socket with room, an in-process queue) is
+  (`Sink.write_nowait()`: a ZMQ socket with room, an in-process queue) is
   written from the tick when nothing is queued or in flight ahead of the batch,
   without waking the writer task;
-* **faults**: a failing `send` is retried with exponential backoff (after
+* **faults**: a failing `write` is retried with exponential backoff (after
   `Sink.recover()`), logged once per burst, and never slows the other sinks;
 * **shutdown**: `Sink.drain()` delivers what is queued within a deadline and
   reports what it could not; [`Sink.aclose()`][kvstream.sinks.base.Sink.aclose] is idempotent;
@@ -32,12 +32,14 @@ import math
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
-from types import TracebackType
-from typing import Final, Literal, NamedTuple, Self, TypeAlias, get_args
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any, Final, Literal, NamedTuple, TypeAlias, get_args
 
 import anyio
-from anyio.abc import TaskGroup, TaskStatus
+from anyio.abc import TaskGroup
 
+from kvstream._lifetime import LifetimeState, TaskOwner, open_task_group
 from kvstream.codecs.base import Codec, Refusal
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ClosedError, ConfigError
@@ -63,15 +65,20 @@ DEFAULT_MAX_BATCHES: Final = 100_000
 #: What a batch is assumed to cost before the sink has encoded one.
 #: What a queued batch costs beyond its encoded bytes (the outbox entry, the batch).
 _ENTRY_OVERHEAD: Final = 160
-#: A writer hop (`send_many`) carries at most this many bytes (or one batch).
+#: A writer hop (`write_many`) carries at most this many bytes (or one batch).
 #: Large, because a hop to a worker thread costs a GIL hand-off each way, which a
 #: busy loop makes slow (up to the interpreter's switch interval, 5 ms); bounded,
 #: so that what a hop holds is freed, and its memory reused, before the next.
 _HOP_BYTES: Final = 16 * 1024 * 1024
 
 
-class SinkStatistics(NamedTuple):
-    """A snapshot of one sink's counters."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SinkStatistics:
+    """A snapshot of one sink's counters.
+
+    A transport's record extends it (`SocketSinkStatistics`,
+    `ZmqSinkStatistics`): every field here, then the transport's own.
+    """
 
     name: str
     policy: str
@@ -87,7 +94,7 @@ class SinkStatistics(NamedTuple):
     #: allocated, plus a fixed cost per batch. The outbox is bounded by this.
     queued_bytes: int
     send_errors: int
-    #: False while `send` is failing and being retried.
+    #: False while `write` is failing and being retried.
     healthy: bool
     #: Batches still queued or in flight when the sink was closed.
     undelivered_batches: int
@@ -111,8 +118,19 @@ class DeliveryReport(NamedTuple):
         return self.undelivered_batches == 0
 
 
-class Sink(ABC):
-    """Base class of every sink. Subclasses implement `send()`.
+_NEW: Final = LifetimeState.NEW
+_RUNNING: Final = LifetimeState.RUNNING
+_CLOSING: Final = LifetimeState.CLOSING
+_CLOSED: Final = LifetimeState.CLOSED
+
+
+class Sink(TaskOwner, ABC):
+    """Base class of every sink. Subclasses implement `write()`.
+
+    `write()` (with `write_nowait()` and `write_many()`) is the transport hook:
+    the sink's writer calls it. Batches enter the sink through its queue,
+    `offer()` and `put()` (the scheduler calls these); calling `write()`
+    yourself would bypass the outbox, its bounds and its counters.
 
     Use a sink as an async context manager (the scheduler does this for you): it
     opens the transport, runs the writer task, and on exit drains and closes.
@@ -120,7 +138,7 @@ class Sink(ABC):
     `offer()` and `put()` raise [`ClosedError`][kvstream.errors.ClosedError].
     """
 
-    #: How many queued batches `send_many()` may receive at once. Sinks that
+    #: How many queued batches `write_many()` may receive at once. Sinks that
     #: can write several batches in one operation (a file) raise it. A hop also
     #: stops at 16 MiB of encoded bytes.
     max_coalesce: int = 1
@@ -154,6 +172,7 @@ class Sink(ABC):
         self.policy: OverflowPolicy = policy
         self.max_bytes = max_bytes
         self.max_batches = max_batches
+        TaskOwner.__init__(self)
         self.name = name or type(self).__name__
         self.close_timeout = close_timeout
         self._retry_initial = retry_initial
@@ -167,18 +186,14 @@ class Sink(ABC):
         self._queued_bytes = 0
         self._inflight: list[EventBatch] = []
         self._inflight_cost = 0
-        self._inline = type(self).send_nowait is not Sink.send_nowait
+        self._inline = type(self).write_nowait is not Sink.write_nowait
         self._writer_waiting: anyio.Event | None = None
         self._space_waiters: list[anyio.Event] = []
         #: The sink's tasks (the writer; subclasses may start more). Closing cancels
-        #: its scope, which the owner's `async with` body is not in: see __aenter__.
+        #: its scope, which the owner's `async with` body is not in (`open_task_group`).
         self._tg: TaskGroup | None = None
-        self._host_tg: TaskGroup | None = None
-        self._entered = False
-        #: True from a completed __aenter__ until drain() starts: offers are taken.
+        #: The state's view the tick reads: True while RUNNING (offers are taken).
         self._accepting = False
-        self._closing = False
-        self._closed = False
         self._drain_report: DeliveryReport | None = None
         self._writer_started = False
         self._writer_done = anyio.Event()
@@ -200,11 +215,11 @@ class Sink(ABC):
 
     # -- what a sink author writes ------------------------------------------------
 
-    async def open(self) -> None:  # noqa: B027 - optional hook, empty on purpose
+    async def open(self) -> None:
         """Acquire the transport (connect, open a file, bind). Called on enter."""
 
     @abstractmethod
-    async def send(self, data: bytes, batch: EventBatch) -> None:
+    async def write(self, data: bytes, batch: EventBatch) -> None:
         """Write one encoded batch to the transport.
 
         `data` is `batch` encoded by `codec` (`b""` when the sink has no
@@ -212,30 +227,30 @@ class Sink(ABC):
         retried after a backoff and `recover()`.
         """
 
-    def send_nowait(self, data: bytes, batch: EventBatch) -> bool:
+    def write_nowait(self, data: bytes, batch: EventBatch) -> bool:
         """Write one encoded batch now if the transport takes it without waiting.
 
         Optional. Called on the scheduler's tick, only when nothing is queued or
         in flight ahead of `batch`, so order is kept. Return True when the batch
         was written (or given up with `discard()`), False when writing it
-        would have to wait: the batch then goes to the outbox and `send()`
+        would have to wait: the batch then goes to the outbox and `write()`
         writes it. Write all of it or none of it; raising counts as a failed
-        attempt and leaves the batch to `send()`. Keep it short and never
+        attempt and leaves the batch to `write()`. Keep it short and never
         block: it runs on the host's tick.
         """
         return False
 
-    async def send_many(self, items: Sequence[tuple[bytes, EventBatch]]) -> None:
+    async def write_many(self, items: Sequence[tuple[bytes, EventBatch]]) -> None:
         """Write several batches at once (up to `max_coalesce`).
 
         Overrides must write all of `items` or raise having written none of
         them, so that a retry neither loses nor repeats a batch.
         """
         for data, batch in items:
-            await self.send(data, batch)
+            await self.write(data, batch)
 
-    async def recover(self, exc: Exception) -> None:  # noqa: B027 - optional hook
-        """Called after `send` raised `exc`, before the retry: reconnect here."""
+    async def recover(self, exc: Exception) -> None:
+        """Called after `write` raised `exc`, before the retry: reconnect here."""
 
     async def aclose(self) -> None:
         """Drain what is queued (within `close_timeout`), stop the writer.
@@ -244,9 +259,10 @@ class Sink(ABC):
         `await super().aclose()` first, then release the transport (in a
         `finally`, so it is released even when draining fails).
         """
-        if self._closed:
+        if self._state is _CLOSED:
             return
-        self._closed = True
+        if self._state is not _NEW:  # a sink closed unentered stays NEW: "never entered"
+            self._set_state(_CLOSED)
         try:
             if self._drain_report is None:
                 await self.drain(self.close_timeout)
@@ -261,61 +277,51 @@ class Sink(ABC):
 
     # -- lifetime ---------------------------------------------------------------
 
-    async def __aenter__(self) -> Self:
-        if self._entered:
-            raise ClosedError(f"{self.name}: a sink can be entered only once")
-        self._entered = True
-        await self.open()
-        # The owner's ``async with`` body runs inside the scope of the task group
-        # entered here, so cancelling that scope would cancel the owner's code
-        # after an early aclose(). The sink's tasks live in a task group held by a
-        # task of its own instead: aclose() cancels that one.
-        host_tg = anyio.create_task_group()
-        await host_tg.__aenter__()
-        self._host_tg = host_tg
-        try:
-            tg: TaskGroup = await host_tg.start(_hold_task_group, name=f"kvstream sink {self.name}")
-        except BaseException:
-            self._host_tg = None
-            host_tg.cancel_scope.cancel()
-            await host_tg.__aexit__(None, None, None)
-            raise
-        self._tg = tg
-        tg.start_soon(self._writer, name=f"kvstream sink writer {self.name}")
-        try:
-            self.start_tasks(tg)
-        except BaseException as exc:
-            with anyio.CancelScope(shield=True):
-                await self.__aexit__(type(exc), exc, exc.__traceback__)
-            raise
-        self._accepting = not self._closing
-        return self
+    def _set_state(self, state: LifetimeState) -> None:
+        self._state = state
+        self._accepting = state is _RUNNING
 
-    def start_tasks(self, tg: TaskGroup) -> None:  # noqa: B027 - optional hook, empty on purpose
+    def reentry_error(self) -> ClosedError:
+        return ClosedError(f"{self.name}: a sink can be entered only once")
+
+    async def open_lifetime(self, stack: AsyncExitStack) -> None:
+        """Open the transport, start the writer and the sink's own tasks.
+
+        Subclasses write `open()`, `enter_contexts()` and `start_tasks()`
+        instead. On exit the stack runs `aclose()` (shielded), then exits what
+        `enter_contexts()` entered, then ends the sink's tasks.
+        """
+        if self._drain_report is not None:
+            raise ClosedError(f"{self.name}: the sink was closed before it was entered")
+        await self.open()
+        try:
+            tg = self._tg = await open_task_group(stack, f"kvstream sink {self.name}")
+            await self.enter_contexts(stack)
+            tg.start_soon(self._writer, name=f"kvstream sink writer {self.name}")
+            self.start_tasks(tg)
+        except BaseException:
+            await _shielded_aclose(self)
+            raise
+        stack.push_async_callback(_shielded_aclose, self)
+
+    async def enter_contexts(self, stack: AsyncExitStack) -> None:
+        """Enter what the sink holds until it closes, on `stack` (optional hook).
+
+        Called once as the sink is entered, after `open()`, before the writer
+        starts: a task group of the sink's own that must outlive the writer
+        (`kvstream._lifetime.open_task_group(stack, name)`), a connection, a
+        cleanup (`stack.push_async_callback(...)`). All of it is exited, in
+        reverse order, after `aclose()` returned.
+        """
+
+    def start_tasks(self, tg: TaskGroup) -> None:
         """Start the sink's own background tasks in `tg` (optional hook).
 
         Called once as the sink is entered, after `open()` and the writer. `tg` is
         the sink's task group: it is cancelled when the sink closes, after what
         was queued has been delivered. A sink with tasks of its own overrides
-        this, never `__aenter__` or `__aexit__`.
+        this (or `enter_contexts()`), never `__aenter__` or `__aexit__`.
         """
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        try:
-            with anyio.CancelScope(shield=True):
-                await self.aclose()
-        finally:
-            self._tg = None
-            host_tg, self._host_tg = self._host_tg, None
-            if host_tg is not None:
-                host_tg.cancel_scope.cancel()
-                await host_tg.__aexit__(None, None, None)
-        return None
 
     # -- encoding -----------------------------------------------------------------
 
@@ -329,7 +335,7 @@ class Sink(ABC):
 
         Only before the sink is entered, and only for an encoding of an equal codec.
         """
-        if self._entered:
+        if self._state is not _NEW:
             raise ClosedError(f"{self.name}: use_encoding: the sink is already running")
         if encoding.codec != self.codec:
             raise ConfigError(
@@ -344,12 +350,12 @@ class Sink(ABC):
     # -- the tick's side ----------------------------------------------------------
 
     def _refusal(self, what: str) -> ClosedError:
-        if not self._entered:
+        if self._state is _NEW:
             return ClosedError(
                 f"{self.name}: {what}: the sink was never entered; use it as "
                 "`async with sink:` or give it to a Scheduler (which enters it)"
             )
-        if self._closing:
+        if self._state is _CLOSING or self._state is _CLOSED:
             return ClosedError(f"{self.name}: {what}: the sink is closed")
         return ClosedError(f"{self.name}: {what}: the sink is still opening")
 
@@ -385,7 +391,7 @@ class Sink(ABC):
         outbox = self._outbox
         if self._inline and not outbox and not self._inflight and self._healthy:
             try:
-                written = self.send_nowait(data, batch)
+                written = self.write_nowait(data, batch)
             except Exception as exc:
                 # Left to send(), which retries with backoff and recover().
                 log.debug("%s: send_nowait failed (%s); queued", self.name, exc)
@@ -459,7 +465,7 @@ class Sink(ABC):
     def discard(self, batch: EventBatch, reason: str) -> None:
         """Count `batch` as dropped (never silently): logged once per burst.
 
-        For sinks whose `send` finds a batch undeliverable for good (the
+        For sinks whose `write` finds a batch undeliverable for good (the
         consumer went away); the writer then moves on to the next batch and does
         not count this one as sent.
         """
@@ -543,7 +549,7 @@ class Sink(ABC):
         try:
             while self._drain_report is None:  # once reported, nothing more is sent
                 if not self._outbox:
-                    if self._closing:
+                    if self._state is _CLOSING or self._state is _CLOSED:
                         return
                     event = self._writer_waiting = anyio.Event()
                     await event.wait()
@@ -569,9 +575,9 @@ class Sink(ABC):
                 self._discarded.clear()
             try:
                 if len(items) == 1:
-                    await self.send(*items[0])
+                    await self.write(*items[0])
                 else:
-                    await self.send_many(items)
+                    await self.write_many(items)
             except Exception as exc:
                 self._send_errors += 1
                 if self._healthy:
@@ -616,8 +622,8 @@ class Sink(ABC):
         """
         if self._drain_report is not None:
             return self._drain_report
-        self._closing = True
-        self._accepting = False
+        if self._state is LifetimeState.OPENING or self._state is _RUNNING:
+            self._set_state(_CLOSING)
         waiting = self._writer_waiting
         if waiting is not None:
             self._writer_waiting = None
@@ -652,11 +658,12 @@ class Sink(ABC):
 
     @property
     def closed(self) -> bool:
-        return self._closing
+        """True once the sink stopped taking batches (draining or closed)."""
+        return self._state is _CLOSING or self._state is _CLOSED or self._drain_report is not None
 
     @property
     def batches_inline(self) -> int:
-        """Batches written straight from the tick (`send_nowait()`), without
+        """Batches written straight from the tick (`write_nowait()`), without
         waking the writer task; `statistics().batches_out` counts them too."""
         return self._batches_inline
 
@@ -666,34 +673,37 @@ class Sink(ABC):
         return self._accepting
 
     def statistics(self) -> SinkStatistics:
+        """The sink's counters; a transport returns a record that extends this one."""
+        return SinkStatistics(**self._sink_fields())
+
+    def _sink_fields(self) -> dict[str, Any]:
+        """The `SinkStatistics` fields, for a transport's record to extend."""
         report = self._drain_report
-        return SinkStatistics(
-            name=self.name,
-            policy=self.policy,
-            batches_in=self._batches_in,
-            batches_out=self._batches_out,
-            events_out=self._events_out,
-            bytes_out=self._bytes_out,
-            batches_dropped=self._batches_dropped,
-            events_dropped=self._events_dropped,
-            queued_batches=len(self._outbox),
-            queued_bytes=max(self._queued_bytes, 0),
-            send_errors=self._send_errors,
-            healthy=self._healthy,
-            undelivered_batches=report.undelivered_batches if report else 0,
-            undelivered_events=report.undelivered_events if report else 0,
-            events_refused=self._events_refused,
-        )
+        return {
+            "name": self.name,
+            "policy": self.policy,
+            "batches_in": self._batches_in,
+            "batches_out": self._batches_out,
+            "events_out": self._events_out,
+            "bytes_out": self._bytes_out,
+            "batches_dropped": self._batches_dropped,
+            "events_dropped": self._events_dropped,
+            "queued_batches": len(self._outbox),
+            "queued_bytes": max(self._queued_bytes, 0),
+            "send_errors": self._send_errors,
+            "healthy": self._healthy,
+            "undelivered_batches": report.undelivered_batches if report else 0,
+            "undelivered_events": report.undelivered_events if report else 0,
+            "events_refused": self._events_refused,
+        }
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} policy={self.policy}>"
 
 
-async def _hold_task_group(*, task_status: TaskStatus[TaskGroup]) -> None:
-    """Hold a task group open, in a task of its own, until its scope is cancelled."""
-    async with anyio.create_task_group() as tg:
-        task_status.started(tg)
-        await anyio.sleep_forever()
+async def _shielded_aclose(sink: Sink) -> None:
+    with anyio.CancelScope(shield=True):
+        await sink.aclose()
 
 
 #: Convenience for sinks whose default is kvstream's own JSON lines.

@@ -225,7 +225,7 @@ class FileSink(Sink):
         if self.rotation is not None:
             self.rotation.wrote()
 
-    def send_nowait(self, data: bytes, batch: EventBatch) -> bool:
+    def write_nowait(self, data: bytes, batch: EventBatch) -> bool:
         """Write `batch` on the tick if the file takes inline writes (see the module doc)."""
         if not self._inline_target or self._file is None:
             return False
@@ -235,7 +235,7 @@ class FileSink(Sink):
         rotation = self.rotation
         if rotation is not None and rotation.due(self._file.tell(), len(data)):
             return False  # renaming and pruning files: the worker thread does it
-        self._write((data,))  # an OSError leaves the batch to send(), which retries
+        self._write((data,))  # an OSError leaves the batch to write(), which retries
         took = time.perf_counter() - start
         if took > self.inline_budget:
             self.slow_inline_writes += 1
@@ -283,10 +283,10 @@ class FileSink(Sink):
             self._written_ahead.append(chunk)
         return kept
 
-    async def send(self, data: bytes, batch: EventBatch) -> None:
+    async def write(self, data: bytes, batch: EventBatch) -> None:
         await anyio.to_thread.run_sync(self._write, (data,), limiter=self._limiter)
 
-    async def send_many(self, items: Sequence[tuple[bytes, EventBatch]]) -> None:
+    async def write_many(self, items: Sequence[tuple[bytes, EventBatch]]) -> None:
         chunks = [data for data, _ in items]
         await anyio.to_thread.run_sync(self._write, chunks, limiter=self._limiter)
 

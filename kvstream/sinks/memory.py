@@ -27,12 +27,12 @@ class MemorySink(Sink):
         self.batches: list[EventBatch] = []
         self.delay = delay
 
-    async def send(self, data: bytes, batch: EventBatch) -> None:
+    async def write(self, data: bytes, batch: EventBatch) -> None:
         if self.delay:
             await anyio.sleep(self.delay)
         self.batches.append(batch)
 
-    def send_nowait(self, data: bytes, batch: EventBatch) -> bool:
+    def write_nowait(self, data: bytes, batch: EventBatch) -> bool:
         if self.delay:
             return False  # a slow transport: the writer takes it
         self.batches.append(batch)
@@ -61,13 +61,13 @@ class QueueSink(Sink):
         self._send_stream: MemoryObjectSendStream[EventBatch] = send
         self.receive_stream: MemoryObjectReceiveStream[EventBatch] = receive
 
-    async def send(self, data: bytes, batch: EventBatch) -> None:
+    async def write(self, data: bytes, batch: EventBatch) -> None:
         try:
             await self._send_stream.send(batch)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             self.discard(batch, "the consumer closed its receive stream")
 
-    def send_nowait(self, data: bytes, batch: EventBatch) -> bool:
+    def write_nowait(self, data: bytes, batch: EventBatch) -> bool:
         """Hand `batch` over now if the consumer is waiting for one."""
         try:
             self._send_stream.send_nowait(batch)

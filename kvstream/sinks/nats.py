@@ -5,7 +5,7 @@ Each batch is published to `SUBJECT` (default `kv.events.<origin>`, see
 `kvstream._wire.broker`) with its name in headers and
 `Nats-Msg-Id: <origin>:<epoch>:<seq>`; the sink waits for JetStream's ack
 before the next batch, so batches are stored in order. When the server goes
-away the connection closes, `send` fails, and the base class retries the
+away the connection closes, `write` fails, and the base class retries the
 same batch with backoff after `NatsSink.recover()` has reconnected; the
 retry carries the same message id, so a batch that was stored but whose ack
 was lost is dropped by the server as a duplicate (and, should the outage
@@ -308,7 +308,7 @@ class NatsSink(Sink):
 
     # -- sending ------------------------------------------------------------------
 
-    async def send(self, data: bytes, batch: EventBatch) -> None:
+    async def write(self, data: bytes, batch: EventBatch) -> None:
         codec = self.codec
         assert codec is not None
         subject = self.subject or default_subject(batch.origin)

@@ -166,10 +166,10 @@ class RedisSink(Sink):
         self._last_id = _as_id(last[0][0]) if last else b"0-0"
         self._client = client
 
-    async def send(self, data: bytes, batch: EventBatch) -> None:
-        await self.send_many([(data, batch)])
+    async def write(self, data: bytes, batch: EventBatch) -> None:
+        await self.write_many([(data, batch)])
 
-    async def send_many(self, items: Sequence[tuple[bytes, EventBatch]]) -> None:
+    async def write_many(self, items: Sequence[tuple[bytes, EventBatch]]) -> None:
         redis = redis_client.require_redis()
         client = self._client
         if client is None:

@@ -9,7 +9,7 @@ and appended to a **replay ring** bounded in bytes. Subscribers read the ring:
   by `subscriber_bytes` (the bytes that arrived since it connected and are not
   yet written to its socket). A frame is never copied per subscriber until its
   socket is ready to take it;
-* `SocketSink.send()` (and `send_nowait`, from the tick) appends to the
+* `SocketSink.write()` (and `write_nowait`, from the tick) appends to the
   ring and wakes idle writers. It never awaits a subscriber, so a slow
   subscriber never slows the others, the sink's outbox or the scheduler's tick;
 * a subscriber that falls behind is handled by `slow`: `disconnect` (the
@@ -55,14 +55,16 @@ import logging
 import os
 import ssl
 from collections.abc import Sequence
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final, NamedTuple, Self, cast
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, cast
 
 import anyio
 import anyio.abc
 from anyio.abc import SocketAttribute, TaskGroup
 from anyio.streams.tls import TLSStream
 
+from kvstream._lifetime import LifetimeState, open_task_group
 from kvstream._wire.broker import Heartbeat, Heartbeats
 from kvstream._wire.socket_protocol import (
     MAX_HELLO_BYTES,
@@ -77,7 +79,7 @@ from kvstream._wire.socket_security import is_loopback, server_ssl_context, toke
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ConfigError, TransportError
 from kvstream.events import EventBatch
-from kvstream.sinks.base import Sink
+from kvstream.sinks.base import Sink, SinkStatistics
 from kvstream.sinks.burst_log import BurstLog
 from kvstream.sinks.socket._fanout import (
     SLOW_POLICIES,
@@ -127,7 +129,10 @@ class SubscriberStatistics(NamedTuple):
     lag_bytes: int
 
 
-class SocketSinkStatistics(NamedTuple):
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SocketSinkStatistics(SinkStatistics):
+    """A socket sink's counters: the sink's (`SinkStatistics`), then the server's."""
+
     address: str
     subscribers: int
     connections_accepted: int
@@ -148,6 +153,9 @@ class SocketSinkStatistics(NamedTuple):
     #: Connections still without a hello closed to make room for a newer one
     #: (`max_pending_hellos`); counted in `connections_refused` too.
     hellos_evicted: int = 0
+    #: One record per connected subscriber (not exported as metrics: one label
+    #: value per peer would grow without bound).
+    peers: tuple[SubscriberStatistics, ...] = ()
 
 
 class SocketSink(Sink):
@@ -276,7 +284,6 @@ class SocketSink(Sink):
         self._all_gone = anyio.Event()
         self._all_gone.set()
         self._stopping = False
-        self._stopped = False
         self._unix_inode: int | None = None
         self._bound = ""
         self._refusals = BurstLog(log)
@@ -355,43 +362,19 @@ class SocketSink(Sink):
         if self._auto_name:
             self.name = self._fanout.name = self._bound
 
-    async def __aenter__(self) -> Self:
-        await super().__aenter__()
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        self._server_tg = tg
+    async def enter_contexts(self, stack: AsyncExitStack) -> None:
+        # The server's tasks (accept, one per subscriber) outlive the writer: on
+        # close, subscribers take what the writer delivered into the ring first.
+        tg = self._server_tg = await open_task_group(stack, f"kvstream socket server {self.name}")
         for listener in self._listeners:
             tg.start_soon(self._accept, listener, name=f"kvstream socket accept {self.address}")
         log.info("%s: listening on %s", self.name, self.address)
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        # Task groups end in the reverse order they began: the server's, then
-        # the base class's (the writer).
-        try:
-            with anyio.CancelScope(shield=True):
-                await self.aclose()
-        finally:
-            tg, self._server_tg = self._server_tg, None
-            try:
-                if tg is not None:
-                    tg.cancel_scope.cancel()
-                    await tg.__aexit__(None, None, None)
-            finally:
-                await super().__aexit__(exc_type, exc, tb)
-        return None
 
     async def aclose(self) -> None:
         """Deliver what is queued into the ring, let subscribers take it (within
         `close_timeout`), tell them the sink is closing, and stop listening."""
-        if self._stopped:
+        if self.state is LifetimeState.CLOSED:
             return
-        self._stopped = True
         try:
             await super().aclose()
         finally:
@@ -419,12 +402,12 @@ class SocketSink(Sink):
 
     # -- the writer's side: publishing ---------------------------------------------------
 
-    async def send(self, data: bytes, batch: EventBatch) -> None:
+    async def write(self, data: bytes, batch: EventBatch) -> None:
         self._fanout.publish(data, batch)
         if self._heartbeats is not None:
             self._heartbeats.delivered(batch)
 
-    def send_nowait(self, data: bytes, batch: EventBatch) -> bool:
+    def write_nowait(self, data: bytes, batch: EventBatch) -> bool:
         # Publishing appends to the ring and wakes subscribers' writers: it never
         # waits, so the tick does it and the sink's own writer task stays asleep.
         self._fanout.publish(data, batch)
@@ -432,7 +415,7 @@ class SocketSink(Sink):
             self._heartbeats.delivered(batch)
         return True
 
-    async def send_many(self, items: Sequence[tuple[bytes, EventBatch]]) -> None:
+    async def write_many(self, items: Sequence[tuple[bytes, EventBatch]]) -> None:
         publish = self._fanout.publish
         for data, batch in items:
             publish(data, batch)
@@ -659,9 +642,10 @@ class SocketSink(Sink):
 
     # -- introspection ---------------------------------------------------------------
 
-    def server_statistics(self) -> SocketSinkStatistics:
+    def statistics(self) -> SocketSinkStatistics:
         fanout = self._fanout
         return SocketSinkStatistics(
+            **self._sink_fields(),
             address=self.address,
             subscribers=len(fanout.subscriptions),
             connections_accepted=self._accepted,
@@ -675,15 +659,12 @@ class SocketSink(Sink):
             ring_max_bytes=self.ring_bytes,
             too_large=fanout.too_large,
             hellos_evicted=self._hellos_evicted,
-        )
-
-    def subscriber_statistics(self) -> tuple[SubscriberStatistics, ...]:
-        fanout = self._fanout
-        return tuple(
-            SubscriberStatistics(
-                s.peer, s.batches_sent, s.bytes_sent, s.batches_dropped, fanout.lag_bytes(s)
-            )
-            for s in fanout.subscriptions
+            peers=tuple(
+                SubscriberStatistics(
+                    s.peer, s.batches_sent, s.bytes_sent, s.batches_dropped, fanout.lag_bytes(s)
+                )
+                for s in fanout.subscriptions
+            ),
         )
 
 

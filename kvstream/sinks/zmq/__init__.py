@@ -45,7 +45,7 @@ Everything runs on the event loop; there is no publisher thread. Publishing
 uses plain (synchronous) sockets with `NOBLOCK`: a send either goes at once
 or answers EAGAIN, so it never blocks the loop, and it costs a third of a
 `zmq.asyncio` send. When nothing is queued ahead, the scheduler's tick
-publishes the batch itself (`ZmqSink.send_nowait()`); the writer task only
+publishes the batch itself (`ZmqSink.write_nowait()`); the writer task only
 runs when a pipe is full or the sink is retrying. Subscriptions and replay
 requests are read by tasks that wait for the socket's descriptor.
 """
@@ -54,7 +54,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Final, NamedTuple, Self, TypeAlias
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Self, TypeAlias
 
 import anyio
 import anyio.lowlevel
@@ -84,7 +85,7 @@ from kvstream.errors import ConfigError, DecodeError, MissingDependencyError, Tr
 from kvstream.events import EventBatch
 from kvstream.sinks._encoding import held_bytes
 from kvstream.sinks._replay_ring import ReplayRing
-from kvstream.sinks.base import Sink
+from kvstream.sinks.base import Sink, SinkStatistics
 from kvstream.sinks.burst_log import BurstLog
 from kvstream.sinks.zmq._snapshots import SnapshotServer, SnapshotServerStatistics, next_request
 from kvstream.state import DEFAULT_MAX_BYTES
@@ -122,8 +123,9 @@ _WATCH_INTERVAL: Final = 0.02
 _BACKOFF_MAX: Final = 0.05
 
 
-class ZmqSinkStatistics(NamedTuple):
-    """The ZMQ side of a `ZmqSink` (the base counters are in `statistics()`)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ZmqSinkStatistics(SinkStatistics):
+    """A ZMQ sink's counters: the sink's (`SinkStatistics`), then the ZMQ side's."""
 
     endpoint: str
     replay_endpoint: str | None
@@ -131,8 +133,6 @@ class ZmqSinkStatistics(NamedTuple):
     subscriptions: int
     #: Sends a full subscriber pipe answered with EAGAIN (each waited or dropped).
     pipe_full: int
-    #: Events left out by the strict profile.
-    events_refused: int
     #: Batches of an origin this sink has no topic for (several origins, fixed topic).
     batches_unroutable: int
     ring_batches: int
@@ -148,6 +148,8 @@ class ZmqSinkStatistics(NamedTuple):
     #: Times a reply met a full pipe and waited (paced) instead of losing a frame.
     replay_waits: int
     replays_active: int
+    #: The snapshot endpoint's counters (None when it is off).
+    snapshots: SnapshotServerStatistics | None = None
 
 
 #: A ring entry: `(seq, topic, seq_frame, payload)`, a plain tuple (made per batch:
@@ -455,7 +457,7 @@ class ZmqSink(Sink):
         topics[origin] = topic
         return topic
 
-    def send_nowait(self, data: bytes, batch: EventBatch) -> bool:
+    def write_nowait(self, data: bytes, batch: EventBatch) -> bool:
         """Publish now if every subscriber's pipe has room (on the tick; see Sink).
 
         The hot path of every batch, written out: `send()` is the same steps
@@ -496,7 +498,7 @@ class ZmqSink(Sink):
         self._keep(batch, topic, seq_frame, data)
         return True
 
-    async def send(self, data: bytes, batch: EventBatch) -> None:
+    async def write(self, data: bytes, batch: EventBatch) -> None:
         pub = self._pub
         if pub is None:
             raise TransportError(f"{self.name}: the socket is not open")
@@ -555,10 +557,6 @@ class ZmqSink(Sink):
             _send_now(pub, heartbeat_frames(topic, heartbeat))
         except zmq.Again:  # a full pipe: batches are waiting there, signs of life enough
             self._heartbeats_skipped += 1
-
-    def snapshot_statistics(self) -> SnapshotServerStatistics | None:
-        """The snapshot endpoint's counters (None when it is off)."""
-        return None if self._snapshots is None else self._snapshots.statistics()
 
     @property
     def heartbeats_sent(self) -> int:
@@ -731,13 +729,13 @@ class ZmqSink(Sink):
 
     # -- introspection --------------------------------------------------------------------
 
-    def zmq_statistics(self) -> ZmqSinkStatistics:
+    def statistics(self) -> ZmqSinkStatistics:
         return ZmqSinkStatistics(
+            **self._sink_fields(),
             endpoint=self.endpoint,
             replay_endpoint=self.replay_endpoint,
             subscriptions=self._subscriptions,
             pipe_full=self._pipe_full,
-            events_refused=self._events_refused,
             batches_unroutable=self._unroutable,
             ring_batches=len(self._ring),
             ring_bytes=self._ring.bytes,
@@ -749,6 +747,7 @@ class ZmqSink(Sink):
             replay_batches_sent=self._replay_sent,
             replay_waits=self._replay_waits,
             replays_active=len(self._replies),
+            snapshots=None if self._snapshots is None else self._snapshots.statistics(),
         )
 
 

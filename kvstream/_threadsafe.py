@@ -253,6 +253,7 @@ class ThreadsafeHandle:
         """Work through the hand-off deque in order until closed (one task, on the loop)."""
         entries = self._entries
         scheduler = self._scheduler
+        dispatch = scheduler._dispatch
         convert = self._convert
         loop = self._loop
         try:
@@ -267,8 +268,8 @@ class ThreadsafeHandle:
                             self._room.set()
                         try:
                             batches = scheduler._seal_step(convert(entry[1]), entry[2], entry[3])
-                            if batches and not scheduler._dispatch_now(batches):
-                                await scheduler._wait_dispatched(scheduler._tickets)
+                            if batches and not dispatch.dispatch_now(batches):
+                                await dispatch.wait_all()
                         except Exception:
                             log.exception("a step handed over from a thread failed")
                     elif kind == _EMIT:

@@ -33,9 +33,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AsyncExitStack
 from typing import Any, Final, Literal, NamedTuple
 
-from kvstream._lifetime import TaskOwner
 from kvstream._wire.http import HttpLimits, HttpServer, HttpServerStatistics, Request, Response
 from kvstream.errors import ClosedError, ConfigError, MissingDependencyError, TransportError
+from kvstream.lifetime import TaskOwner
 from kvstream.scheduler import Scheduler
 from kvstream.sinks.base import Sink
 
@@ -57,6 +57,8 @@ __all__ = [
     "SCHEDULER_FIELDS",
     "SINK_FIELDS",
     "SOURCE_FIELDS",
+    "HttpLimits",
+    "HttpServerStatistics",
     "MetricSpec",
     "MetricsServer",
     "StatisticsCollector",

@@ -26,7 +26,6 @@ import math
 import secrets
 import socket
 import time
-from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any, Final, NamedTuple
@@ -34,10 +33,11 @@ from typing import Any, Final, NamedTuple
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
-from kvstream._lifetime import LifetimeState, TaskOwner
+from kvstream._dispatch import Dispatcher
 from kvstream._threadsafe import ThreadsafeHandle
 from kvstream.errors import ClosedError, ConfigError, InvalidEventTypeError
 from kvstream.events import EventBatch, KVCacheEvent
+from kvstream.lifetime import LifetimeState, TaskOwner
 from kvstream.sinks._encoding import EncodingGroup
 from kvstream.sinks.base import DeliveryReport, Sink, SinkStatistics
 from kvstream.sources._base import (
@@ -186,20 +186,12 @@ class Scheduler(TaskOwner):
         self._closing = anyio.Event()
         self._drain_deadline = math.inf
         self._sinks_done: list[anyio.Event] = []
-        # Dispatch: batches whose offer to some block sink is still pending.
-        self._backlog: deque[list[Any]] = deque()  # [batch, next sink index, ticket]
-        self._dispatching = False
-        #: Set when closing: full `block` outboxes take the last batches past
-        #: their bounds (their drain delivers or reports them) instead of waiting.
-        self._flushing = False
-        self._put_scope: anyio.CancelScope | None = None
+        #: Sealed batches to every sink, in order (the backlog of full `block` sinks).
+        self._dispatch = Dispatcher(self._sinks, self._encodings)
         # The merger's and the ticker's own scopes: aclose() cancels these, never
         # the task group's scope, which the host's ``async with`` body runs in.
         self._task_scopes: list[anyio.CancelScope] = []
         self._merger_done = anyio.Event()
-        self._tickets = 0
-        self._dispatched = 0
-        self._progress = anyio.Event()
         #: call_at_barrier() callbacks for the next tick (snapshots for socket sinks)
         self._at_barrier: list[Callable[[str, str, int], None]] = []
         #: Handles of threads handing steps over (worked through before the last tick).
@@ -286,9 +278,7 @@ class Scheduler(TaskOwner):
         # Nothing waits for room in a full outbox any more: a tick waiting in
         # put() stops waiting, and every batch sealed from now on is queued past
         # the bounds, so that each sink's drain delivers it or reports it.
-        self._flushing = True
-        if self._put_scope is not None:
-            self._put_scope.cancel()
+        self._dispatch.flush()
         for thread_handle in self._thread_handles:  # what threads handed over comes first
             with anyio.move_on_after(max(deadline - anyio.current_time(), 0)):
                 await thread_handle._close_and_drain()
@@ -310,7 +300,7 @@ class Scheduler(TaskOwner):
         # Whatever a cancelled tick (or the deadline) left in the backlog reaches
         # every sink now: offers are forced, so this cannot wait for room.
         with anyio.CancelScope(shield=True):
-            await self._wait_dispatched(self._tickets)
+            await self._dispatch.wait_all()
         self._encodings.forget()
         self._drain_deadline = deadline
         self._closing.set()
@@ -525,12 +515,12 @@ class Scheduler(TaskOwner):
         if self._at_barrier:
             self._run_barrier_callbacks()
         if not batches:
-            if self._backlog and not self._dispatching:
+            if self._dispatch.stalled:
                 # A cancelled tick left batches behind: hand them on now.
-                await self._wait_dispatched(self._tickets)
+                await self._dispatch.wait_all()
             return None
-        if not self._dispatch_now(batches):
-            await self._wait_dispatched(self._tickets)
+        if not self._dispatch.dispatch_now(batches):
+            await self._dispatch.wait_all()
         own = batches[0]
         return own if own.origin == self.origin else None
 
@@ -591,84 +581,6 @@ class Scheduler(TaskOwner):
                 self._forgotten_accepted += h.accepted
                 self._handles.remove(h)
                 self._origins[h.origin].inputs.remove(h)
-
-    def _dispatch_now(self, batches: list[EventBatch]) -> bool:
-        """Hand `batches` to every sink without waiting, if nothing is queued ahead.
-
-        Returns False when some `block` sink is full (or batches of an earlier
-        tick still wait): what was not handed over is then in the backlog, and
-        the caller awaits `_wait_dispatched()`.
-        """
-        if self._backlog or self._dispatching:
-            self._enqueue(batches, 0)
-            return False
-        sinks = self._sinks
-        force = self._flushing
-        for n, batch in enumerate(batches):
-            for i, sink in enumerate(sinks):
-                if not sink.accepting:  # closed by its owner: it takes nothing more
-                    sink.count_missed(batch, "the sink was closed before the batch")
-                    continue
-                if not sink.offer(batch, force=force):
-                    self._enqueue(batches[n:], i)
-                    return False
-        # Every sink has the bytes it needs: let them go (memory is reused).
-        self._encodings.forget()
-        return True
-
-    def _enqueue(self, batches: list[EventBatch], first_sink: int) -> None:
-        for k, batch in enumerate(batches):
-            self._tickets += 1
-            self._backlog.append([batch, first_sink if k == 0 else 0, self._tickets])
-
-    async def _wait_dispatched(self, ticket: int) -> None:
-        """Return once every batch up to `ticket` reached every sink, in order.
-
-        One caller at a time works through the backlog (a full `block` sink is
-        the only thing it waits for); the others wait for its progress. If the
-        worker is cancelled, its place in the backlog is kept and the next caller
-        takes over, so no sink gets a batch twice or out of order.
-        """
-        while self._dispatched < ticket:
-            if self._dispatching:
-                progress = self._progress
-                await progress.wait()
-                continue
-            self._dispatching = True
-            try:
-                backlog = self._backlog
-                sinks = self._sinks
-                while backlog and self._dispatched < ticket:
-                    entry = backlog[0]
-                    batch: EventBatch = entry[0]
-                    i = entry[1]
-                    while i < len(sinks):
-                        sink = sinks[i]
-                        if not sink.accepting:
-                            sink.count_missed(batch, "the sink was closed before the batch")
-                            i += 1
-                            entry[1] = i
-                            continue
-                        if not sink.offer(batch, force=self._flushing):
-                            entry[1] = i
-                            with anyio.CancelScope() as scope:
-                                self._put_scope = scope
-                                await sink.put(batch)
-                            self._put_scope = None
-                            if scope.cancelled_caught:  # closing: offer again, forced
-                                continue
-                        i += 1
-                        entry[1] = i
-                    backlog.popleft()
-                    self._dispatched = entry[2]
-            finally:
-                self._dispatching = False
-                progress, self._progress = self._progress, anyio.Event()
-                progress.set()
-        if not self._backlog:
-            self._dispatched = self._tickets
-            if not self._dispatching:
-                self._encodings.forget()
 
     # -- introspection ------------------------------------------------------------
 
@@ -733,8 +645,8 @@ class Scheduler(TaskOwner):
         batches = self._seal_step(events, ts, rank)
         if not batches:
             return None
-        if not self._dispatch_now(batches):
-            await self._wait_dispatched(self._tickets)
+        if not self._dispatch.dispatch_now(batches):
+            await self._dispatch.wait_all()
         head = batches[0]
         return head if head.origin == self.origin else None
 

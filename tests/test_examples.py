@@ -20,8 +20,8 @@ import uvicorn
 from waiting import wait_until
 
 from kvstream import BlockRemoved, BlockStored, JsonCodec, Scheduler
-from kvstream._lifetime import LifetimeState
 from kvstream.consumers.base import SequenceTracker
+from kvstream.lifetime import LifetimeState
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -1,4 +1,4 @@
-"""kvstream._lifetime: one lifetime (an exit stack, one state) for every object that owns tasks."""
+"""kvstream.lifetime: one lifetime (an exit stack, one state) for every object that owns tasks."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 from anyio.abc import TaskGroup
 
 from kvstream import ClosedError, EventBatch, MemorySink, QueueSink, Scheduler, Sink
-from kvstream._lifetime import LifetimeState, TaskOwner, open_task_group
 from kvstream._wire.http import HttpServer, Request, Response
 from kvstream.index._http import QueryServer
 from kvstream.index._prefix import PrefixIndex
+from kvstream.lifetime import LifetimeState, TaskOwner, open_task_group
 from kvstream.metrics import MetricsServer, StatisticsCollector
 from kvstream.sinks.file import FileSink
 from kvstream.sinks.nats import NatsSink

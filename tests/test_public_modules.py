@@ -18,6 +18,7 @@ PUBLIC = {
     "kvstream.events",
     "kvstream.errors",
     "kvstream.scheduler",
+    "kvstream.lifetime",
     "kvstream.sources",
     "kvstream.media",
     # codecs: the contract and the two codecs

@@ -39,9 +39,9 @@ import h11
 from anyio.abc import SocketAttribute, SocketListener, SocketStream, TaskGroup
 from anyio.streams.stapled import MultiListener
 
-from kvstream._lifetime import LifetimeState, TaskOwner
 from kvstream._wire.socket_security import bearer_authorized, check_listen_address
 from kvstream.errors import ClosedError, ConfigError, TransportError
+from kvstream.lifetime import LifetimeState, TaskOwner
 from kvstream.sinks.burst_log import BurstLog
 
 __all__ = [

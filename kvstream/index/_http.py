@@ -30,10 +30,10 @@ from urllib.parse import unquote
 
 import orjson
 
-from kvstream._lifetime import TaskOwner
 from kvstream._wire.http import HttpLimits, HttpServer, HttpServerStatistics, Request, Response
 from kvstream.errors import ClosedError, ConfigError
 from kvstream.index._prefix import PrefixIndex, PrefixMatch
+from kvstream.lifetime import TaskOwner
 from kvstream.sinks.burst_log import BurstLog
 
 __all__ = ["QueryServer"]

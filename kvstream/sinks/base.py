@@ -39,11 +39,11 @@ from typing import Any, Final, Literal, NamedTuple, TypeAlias, get_args
 import anyio
 from anyio.abc import TaskGroup
 
-from kvstream._lifetime import LifetimeState, TaskOwner, open_task_group
 from kvstream.codecs.base import Codec, Refusal
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ClosedError, ConfigError
 from kvstream.events import EventBatch
+from kvstream.lifetime import LifetimeState, TaskOwner, open_task_group
 from kvstream.sinks._encoding import SharedEncoding
 
 __all__ = [
@@ -309,7 +309,7 @@ class Sink(TaskOwner, ABC):
 
         Called once as the sink is entered, after `open()`, before the writer
         starts: a task group of the sink's own that must outlive the writer
-        (`kvstream._lifetime.open_task_group(stack, name)`), a connection, a
+        (`kvstream.lifetime.open_task_group(stack, name)`), a connection, a
         cleanup (`stack.push_async_callback(...)`). All of it is exited, in
         reverse order, after `aclose()` returned.
         """

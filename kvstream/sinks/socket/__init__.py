@@ -64,7 +64,6 @@ import anyio.abc
 from anyio.abc import SocketAttribute, TaskGroup
 from anyio.streams.tls import TLSStream
 
-from kvstream._lifetime import LifetimeState, open_task_group
 from kvstream._wire.broker import Heartbeat, Heartbeats
 from kvstream._wire.socket_protocol import (
     MAX_HELLO_BYTES,
@@ -79,6 +78,7 @@ from kvstream._wire.socket_security import is_loopback, server_ssl_context, toke
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ConfigError, TransportError
 from kvstream.events import EventBatch
+from kvstream.lifetime import LifetimeState, open_task_group
 from kvstream.sinks.base import Sink, SinkStatistics
 from kvstream.sinks.burst_log import BurstLog
 from kvstream.sinks.socket._fanout import (

@@ -393,8 +393,8 @@ class Sink(TaskOwner, ABC):
             try:
                 written = self.write_nowait(data, batch)
             except Exception as exc:
-                # Left to send(), which retries with backoff and recover().
-                log.debug("%s: send_nowait failed (%s); queued", self.name, exc)
+                # Left to write(), which retries with backoff and recover().
+                log.debug("%s: write_nowait failed (%s); queued", self.name, exc)
                 written = False
             if written:
                 self._batches_in += 1

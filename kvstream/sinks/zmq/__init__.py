@@ -460,12 +460,12 @@ class ZmqSink(Sink):
     def write_nowait(self, data: bytes, batch: EventBatch) -> bool:
         """Publish now if every subscriber's pipe has room (on the tick; see Sink).
 
-        The hot path of every batch, written out: `send()` is the same steps
+        The hot path of every batch, written out: `write()` is the same steps
         with waiting, through the helpers.
         """
         pub = self._pub
         if pub is None:
-            return False  # send() reports it
+            return False  # write() reports it
         origin = batch.origin
         topic: bytes | None
         if origin is self._last_origin:  # the common case: one origin, its topic known

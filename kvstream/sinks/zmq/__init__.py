@@ -55,7 +55,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Self, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, Self
 
 import anyio
 import anyio.lowlevel
@@ -74,20 +74,18 @@ from kvstream._wire.vllm_zmq import (
     normalize_endpoint,
     pack_seq,
     parse_kv_events_config,
-    parse_replay_request,
-    replay_end,
-    replay_reply,
     should_bind,
 )
 from kvstream._wire.zmq_recovery import heartbeat_frames
 from kvstream.codecs.msgpack import MsgpackCodec, codec_from_options
-from kvstream.errors import ConfigError, DecodeError, MissingDependencyError, TransportError
+from kvstream.errors import ConfigError, MissingDependencyError, TransportError
 from kvstream.events import EventBatch
 from kvstream.sinks._encoding import held_bytes
 from kvstream.sinks._replay_ring import ReplayRing
 from kvstream.sinks.base import Sink, SinkStatistics
-from kvstream.sinks.burst_log import BurstLog
-from kvstream.sinks.zmq._snapshots import SnapshotServer, SnapshotServerStatistics, next_request
+from kvstream.sinks.zmq._frames import MORE_NOW, NOW, SEND_FRAME, attach, paced_router, send_now
+from kvstream.sinks.zmq._replay import DEFAULT_MAX_REPLAY_CLIENTS, Entry, ReplayServer
+from kvstream.sinks.zmq._snapshots import SnapshotServer, SnapshotServerStatistics
 from kvstream.state import DEFAULT_MAX_BYTES
 
 try:
@@ -110,10 +108,6 @@ _ENTRY_OVERHEAD: Final = 256
 #: reading (or never reads) can pin is this many messages, and their payloads
 #: are the ring's own bytes (sent without copying), not copies.
 DEFAULT_REPLAY_HWM: Final = 16
-#: How many replies are served at once; further requests wait for their client's retry.
-DEFAULT_MAX_REPLAY_CLIENTS: Final = 64
-#: Frames sent to one reply client before the others get a turn.
-_REPLY_BUDGET: Final = 64
 _BACKOFF_MIN: Final = 0.001
 #: Sequence numbers below this are packed inline (the end marker's value and above raise).
 _SEQ_END: Final = (1 << 64) - 1
@@ -150,26 +144,6 @@ class ZmqSinkStatistics(SinkStatistics):
     replays_active: int
     #: The snapshot endpoint's counters (None when it is off).
     snapshots: SnapshotServerStatistics | None = None
-
-
-#: A ring entry: `(seq, topic, seq_frame, payload)`, a plain tuple (made per batch:
-#: a NamedTuple costs six times as much to make).
-_Entry: TypeAlias = tuple[int, bytes, bytes, bytes]
-
-
-class _Reply:
-    """One client's replay in progress: a cursor over the ring, not a copy of it."""
-
-    __slots__ = ("end", "identity", "next", "stalled_since", "start_seq")
-
-    def __init__(self, identity: bytes, start_seq: int, first: int, end: int) -> None:
-        self.identity = identity
-        self.start_seq = start_seq
-        #: Ring position (counting every batch ever stored) of the next candidate.
-        self.next = first
-        #: Position one past the last batch stored when the request came.
-        self.end = end
-        self.stalled_since: float | None = None
 
 
 LOOPBACK_ENDPOINT: Final = "tcp://127.0.0.1:5557"
@@ -296,24 +270,22 @@ class ZmqSink(Sink):
         self._pub: zmq.Socket[bytes] | None = None
         self._router: zmq.Socket[bytes] | None = None
         # The replay ring: exact frames, bounded in bytes and batches.
-        self._ring: ReplayRing[_Entry] = ReplayRing(replay_max_bytes, buffer_steps)
-        self._replies: dict[bytes, _Reply] = {}
-        self._replies_wakeup = anyio.Event()
+        self._ring: ReplayRing[Entry] = ReplayRing(replay_max_bytes, buffer_steps)
+        self._replay: ReplayServer | None = None
+        if replay_endpoint is not None:
+            self._replay = ReplayServer(
+                self.name,
+                self._ring,
+                log,
+                layout=replay_layout,
+                timeout=self.replay_timeout,
+                max_clients=max_replay_clients,
+            )
         self._subscriptions = 0
         self._subscription_changed = anyio.Event()
         # counters
         self._pipe_full = 0
         self._unroutable = 0
-        self._replay_requests = 0
-        self._replay_malformed = 0
-        self._malformed_log = BurstLog(log)
-        self._replay_busy = 0
-        self._busy_log = BurstLog(log)
-        self._abandon_log = BurstLog(log)
-        self._replays_completed = 0
-        self._replays_abandoned = 0
-        self._replay_sent = 0
-        self._replay_waits = 0
         # recovery (opt-in): None when off, so the tick pays one `is None` test
         self.snapshot_endpoint = snapshot_endpoint
         self._snap_router: zmq.Socket[bytes] | None = None
@@ -382,14 +354,16 @@ class ZmqSink(Sink):
             pub.setsockopt(zmq.SNDHWM, self.hwm)
             pub.setsockopt(zmq.LINGER, int(self.linger * 1000))
             self._pub = pub
-            self.endpoint = _attach(pub, self.endpoint, self.bind, "endpoint")
+            self.endpoint = attach(pub, self.endpoint, self.bind, "endpoint")
             if self.replay_endpoint is not None:
-                router = self._router = _paced_router(ctx, self.replay_hwm)
-                self.replay_endpoint = _attach(router, self.replay_endpoint, True, "replay")
+                router = self._router = paced_router(ctx, self.replay_hwm)
+                self.replay_endpoint = attach(router, self.replay_endpoint, True, "replay")
+                assert self._replay is not None
+                self._replay.router = router
             if self._snapshots is not None:
                 assert self.snapshot_endpoint is not None
-                snap = self._snap_router = _paced_router(ctx, self.replay_hwm)
-                self.snapshot_endpoint = _attach(snap, self.snapshot_endpoint, True, "snapshot")
+                snap = self._snap_router = paced_router(ctx, self.replay_hwm)
+                self.snapshot_endpoint = attach(snap, self.snapshot_endpoint, True, "snapshot")
                 self._snapshots.endpoint = self.snapshot_endpoint
         except BaseException:
             self._close_sockets()
@@ -400,9 +374,10 @@ class ZmqSink(Sink):
 
     def start_tasks(self, tg: TaskGroup) -> None:
         tg.start_soon(self._watch_subscriptions, name=f"kvstream {self.name} subscriptions")
-        if self._router is not None:
-            tg.start_soon(self._serve_replay, name=f"kvstream {self.name} replay requests")
-            tg.start_soon(self._pump_replies, name=f"kvstream {self.name} replay replies")
+        replay = self._replay
+        if replay is not None and self._router is not None:
+            tg.start_soon(replay.serve_requests, name=f"kvstream {self.name} replay requests")
+            tg.start_soon(replay.pump_replies, name=f"kvstream {self.name} replay replies")
         if self._snapshots is not None and self._snap_router is not None:
             tg.start_soon(
                 self._snapshots.serve, self._snap_router, name=f"kvstream {self.name} snapshots"
@@ -427,6 +402,8 @@ class ZmqSink(Sink):
             if sock is not None and not sock.closed:
                 sock.close()
         self._pub = self._router = self._snap_router = None
+        if self._replay is not None:
+            self._replay.router = None
 
     # -- publishing ---------------------------------------------------------------------
 
@@ -479,10 +456,10 @@ class ZmqSink(Sink):
             self._last_origin, self._last_topic = origin, topic
         seq = batch.seq
         seq_frame = seq.to_bytes(8, "big") if seq < _SEQ_END else pack_seq(seq)  # raises
-        send = _SEND_FRAME
+        send = SEND_FRAME
         try:
             # A ZMQ message is atomic: once its first frame is taken, so are the others.
-            send(pub, topic, _MORE_NOW)
+            send(pub, topic, MORE_NOW)
         except zmq.Again:
             # XPUB_NODROP: some subscriber's pipe is at its high-water mark.
             self._pipe_full += 1
@@ -492,8 +469,8 @@ class ZmqSink(Sink):
         except zmq.ZMQError as exc:
             raise TransportError(f"{self.name}: cannot publish: {exc}") from exc
         else:
-            send(pub, seq_frame, _MORE_NOW)
-            send(pub, data, _NOW)
+            send(pub, seq_frame, MORE_NOW)
+            send(pub, data, NOW)
         # Sent or discarded, the batch enters the ring: a consumer that sees the gap replays it.
         self._keep(batch, topic, seq_frame, data)
         return True
@@ -512,7 +489,7 @@ class ZmqSink(Sink):
         delay = _BACKOFF_MIN
         while True:
             try:
-                _send_now(pub, frames)
+                send_now(pub, frames)
             except zmq.Again:
                 # XPUB_NODROP: some subscriber's pipe is at its high-water mark.
                 self._pipe_full += 1
@@ -554,7 +531,7 @@ class ZmqSink(Sink):
         if pub is None or topic is None:
             return
         try:
-            _send_now(pub, heartbeat_frames(topic, heartbeat))
+            send_now(pub, heartbeat_frames(topic, heartbeat))
         except zmq.Again:  # a full pipe: batches are waiting there, signs of life enough
             self._heartbeats_skipped += 1
 
@@ -593,143 +570,10 @@ class ZmqSink(Sink):
         while self._subscriptions < count:
             await self._subscription_changed.wait()
 
-    # -- replay -------------------------------------------------------------------------
-
-    async def _serve_replay(self) -> None:
-        router = self._router
-        assert router is not None
-        while True:
-            frames = await next_request(router, f"{self.name}: replay server")
-            if frames is None:
-                return
-            try:
-                identity, start_seq = parse_replay_request(frames)
-            except DecodeError as exc:
-                self._replay_malformed += 1
-                self._malformed_log.log("%s: malformed replay request ignored: %s", self.name, exc)
-                continue
-            self._replay_requests += 1
-            replies = self._replies
-            if identity not in replies and len(replies) >= self.max_replay_clients:
-                # A client whose pipe is full (it is not reading now) gives way, the
-                # one stalled longest first: clients that never read cannot hold
-                # every slot against one that does.
-                stalled = [r for r in replies.values() if r.stalled_since is not None]
-                if stalled:
-                    oldest = min(stalled, key=lambda r: r.stalled_since or 0.0)
-                    self._abandon(oldest, "stalled, displaced by a new replay request")
-                else:
-                    self._refuse_replay(identity, len(replies))
-                    continue
-            # A new request from a client being served restarts its reply.
-            ring = self._ring
-            replies[identity] = _Reply(identity, start_seq, ring.first_pos, ring.end_pos)
-            wakeup, self._replies_wakeup = self._replies_wakeup, anyio.Event()
-            wakeup.set()
-
-    async def _pump_replies(self) -> None:
-        """Serve every reply in turn, a few frames each, backing off while all are stalled."""
-        delay = _BACKOFF_MIN
-        while True:
-            if not self._replies:
-                await self._replies_wakeup.wait()
-                continue
-            progressed = False
-            for reply in list(self._replies.values()):
-                if await self._pump(reply):
-                    progressed = True
-            if progressed:
-                delay = _BACKOFF_MIN
-                await anyio.lowlevel.checkpoint()  # live publishing goes on between turns
-            else:
-                await anyio.sleep(delay)
-                delay = min(delay * 2, _BACKOFF_MAX)
-
-    async def _pump(self, reply: _Reply) -> bool:
-        """Send up to a budget of frames to one client; True if anything was sent."""
-        router = self._router
-        assert router is not None
-        layout = self.replay_layout
-        sent = 0
-        ring = self._ring
-        while sent < _REPLY_BUDGET:
-            first = ring.first_pos
-            if reply.next < first:  # the ring moved on: those batches are gone
-                reply.next = first
-            if reply.next >= reply.end:
-                frames = replay_end(reply.identity, layout)
-                entry = None
-            else:
-                entry = ring.get(reply.next)
-                seq, topic, seq_frame, payload = entry
-                if seq < reply.start_seq:
-                    reply.next += 1
-                    continue
-                frames = replay_reply(reply.identity, topic, seq_frame, payload, layout)
-            try:
-                # Zero-copy: ZMQ's queue refers to the ring's payload instead of
-                # holding a copy per client.
-                _send_now(router, frames, copy=False)
-            except zmq.Again:
-                self._replay_waits += 1
-                now = anyio.current_time()
-                if reply.stalled_since is None:
-                    reply.stalled_since = now
-                elif now - reply.stalled_since > self.replay_timeout:
-                    self._abandon(reply, f"its pipe stayed full for {self.replay_timeout:g} s")
-                return sent > 0
-            except zmq.ZMQError as exc:
-                # ROUTER_MANDATORY: EHOSTUNREACH once the client is gone.
-                self._abandon(reply, str(exc))
-                return sent > 0
-            reply.stalled_since = None
-            sent += 1
-            if entry is None:
-                self._replays_completed += 1
-                self._replies.pop(reply.identity, None)
-                return True
-            reply.next += 1
-            self._replay_sent += 1
-        return True
-
-    def _refuse_replay(self, identity: bytes, running: int) -> None:
-        """Every reply slot serves a client that reads: end this one's replay at once.
-
-        vLLM's wire has no refusal message; the end marker is the clear answer
-        (nothing replayed), so the client does not wait out its timeout and sees
-        the batches it asked for as a gap against the live stream.
-        """
-        self._replay_busy += 1
-        self._busy_log.log(
-            "%s: replay request from %s refused (answered with the end marker): "
-            "%d replies already running",
-            self.name,
-            identity.hex(),
-            running,
-        )
-        router = self._router
-        if router is None:
-            return
-        try:
-            _send_now(router, replay_end(identity, self.replay_layout))
-        except zmq.ZMQError:  # gone, or its pipe is full: it times out as before
-            pass
-
-    def _abandon(self, reply: _Reply, reason: str) -> None:
-        if self._replies.get(reply.identity) is reply:
-            del self._replies[reply.identity]
-        self._replays_abandoned += 1
-        self._abandon_log.log(
-            "%s: replay to %s abandoned at ring position %d: %s",
-            self.name,
-            reply.identity.hex(),
-            reply.next,
-            reason,
-        )
-
     # -- introspection --------------------------------------------------------------------
 
     def statistics(self) -> ZmqSinkStatistics:
+        replay = self._replay
         return ZmqSinkStatistics(
             **self._sink_fields(),
             endpoint=self.endpoint,
@@ -739,66 +583,16 @@ class ZmqSink(Sink):
             batches_unroutable=self._unroutable,
             ring_batches=len(self._ring),
             ring_bytes=self._ring.bytes,
-            replay_requests=self._replay_requests,
-            replay_malformed=self._replay_malformed,
-            replay_busy=self._replay_busy,
-            replays_completed=self._replays_completed,
-            replays_abandoned=self._replays_abandoned,
-            replay_batches_sent=self._replay_sent,
-            replay_waits=self._replay_waits,
-            replays_active=len(self._replies),
+            replay_requests=replay.requests if replay else 0,
+            replay_malformed=replay.malformed if replay else 0,
+            replay_busy=replay.busy if replay else 0,
+            replays_completed=replay.completed if replay else 0,
+            replays_abandoned=replay.abandoned if replay else 0,
+            replay_batches_sent=replay.sent if replay else 0,
+            replay_waits=replay.waits if replay else 0,
+            replays_active=replay.active if replay else 0,
             snapshots=None if self._snapshots is None else self._snapshots.statistics(),
         )
-
-
-#: pyzmq's frame send without its Python wrapper (`send_multipart` spends most of
-#: its time in Python: flag arithmetic on enums, keyword handling, a loop).
-_SEND_FRAME: Final = zmq.backend.Socket.send
-_MORE_NOW: Final = int(zmq.SNDMORE | zmq.NOBLOCK)
-_NOW: Final = int(zmq.NOBLOCK)
-#: Frames at least this big are lent to ZMQ rather than copied (pyzmq's own threshold).
-_ZERO_COPY_MIN: Final = 65536
-
-
-def _send_now(sock: zmq.Socket[bytes], frames: list[bytes], *, copy: bool = True) -> None:
-    """Send one multipart message without blocking; `zmq.Again` when it cannot go now.
-
-    A ZMQ message is atomic: when its first frame is refused (EAGAIN), nothing of
-    it was queued; once the first frame is taken, the others are taken too.
-    `copy=False` lends large frames to ZMQ instead of copying them (pyzmq
-    keeps them alive until ZMQ is done with them).
-    """
-    send = _SEND_FRAME
-    last = len(frames) - 1
-    for i, frame in enumerate(frames):
-        flags = _NOW if i == last else _MORE_NOW
-        if copy or len(frame) < _ZERO_COPY_MIN:
-            send(sock, frame, flags)
-        else:
-            send(sock, frame, flags, False)
-
-
-def _paced_router(ctx: zmq.Context[zmq.Socket[bytes]], hwm: int) -> zmq.Socket[bytes]:
-    """A ROUTER whose sends to a full pipe answer EAGAIN (never dropped), `hwm` per client."""
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    router.setsockopt(zmq.LINGER, 0)
-    router.setsockopt(zmq.SNDHWM, hwm)
-    return router
-
-
-def _attach(sock: zmq.Socket[bytes], endpoint: str, bind: bool, what: str) -> str:
-    """Bind or connect `sock`; returns the endpoint actually bound (ports resolved)."""
-    try:
-        if bind:
-            sock.bind(endpoint)
-            last = sock.getsockopt(zmq.LAST_ENDPOINT)
-            return last.decode() if isinstance(last, bytes) and last else endpoint
-        sock.connect(endpoint)
-    except zmq.ZMQError as exc:
-        verb = "bind" if bind else "connect"
-        raise TransportError(f"ZmqSink: {what}: cannot {verb} {endpoint}: {exc}") from exc
-    return endpoint
 
 
 # -- URL factory (kvstream.config's _SINKS) ------------------------------------------------

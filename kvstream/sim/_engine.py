@@ -40,7 +40,7 @@ import anyio
 
 from kvstream.errors import ConfigError
 from kvstream.events import AllBlocksCleared, BlockRemoved, KVCacheEvent
-from kvstream.sim._tiers import BlockInfo, Registry, Tier, block_hash
+from kvstream.sim._tiers import BlockInfo, BlockRegistry, Tier, block_hash
 from kvstream.sim._workload import Request, Workload
 from kvstream.sources._base import PolledConnector, from_take_events
 
@@ -182,7 +182,7 @@ class SimulatedEngine:
         self.requests_per_step = requests_per_step
         self.reset_every = reset_every
         self.workload = workload or Workload(seed=seed, block_size=block_size)
-        self.registry = Registry()
+        self.registry = BlockRegistry()
         self.gpu = Tier("GPU", gpu_blocks, block_size, self.registry)
         self.cpu = CpuOffloadConnector(Tier("CPU", cpu_blocks, block_size, self.registry))
         self.remote = RemoteStoreConnector(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from kvstream.events import BlockRemoved, BlockStored, KVCacheEvent
 
-__all__ = ["BlockInfo", "Registry", "Tier", "block_hash"]
+__all__ = ["BlockInfo", "BlockRegistry", "Tier", "block_hash"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -40,7 +40,7 @@ class BlockInfo:
     lora_name: str | None
 
 
-class Registry:
+class BlockRegistry:
     """What every block held in some tier is: parent, tokens, adapter.
 
     Entries live while at least one tier holds the block, so memory follows the
@@ -73,7 +73,7 @@ class Registry:
 class Tier:
     """One storage tier (`medium`) of one engine; see the module doc."""
 
-    def __init__(self, medium: str, capacity: int, block_size: int, registry: Registry) -> None:
+    def __init__(self, medium: str, capacity: int, block_size: int, registry: BlockRegistry) -> None:
         self.medium = medium
         self.capacity = capacity
         self.block_size = block_size

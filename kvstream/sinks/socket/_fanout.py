@@ -39,7 +39,7 @@ from kvstream.events import EventBatch, KVCacheEvent
 from kvstream.sinks._encoding import held_bytes
 from kvstream.sinks._replay_ring import Fifo, ReplayRing
 from kvstream.sinks.burst_log import BurstLog
-from kvstream.sinks.socket._subscription import RingEntry, Snapshot, SnapshotWait, Subscription
+from kvstream.sinks.socket._subscription import RingEntry, SharedSnapshot, SnapshotWait, Subscription
 
 __all__ = [
     "SLOW_POLICIES",
@@ -383,7 +383,7 @@ class Fanout:
         if not waiting:
             return
         serve = [s for s in waiting if origin in s.awaiting]
-        snapshot: Snapshot | None = None
+        snapshot: SharedSnapshot | None = None
         provider = self.snapshot_provider
         if serve and provider is not None:
             try:
@@ -396,7 +396,7 @@ class Fanout:
             else:
                 state = self.origins.get(origin)
                 rank = state.data_parallel_rank if state is not None else None
-                snapshot = Snapshot(origin, epoch, next_seq, rank, events)
+                snapshot = SharedSnapshot(origin, epoch, next_seq, rank, events)
         for sub in waiting:
             if snapshot is not None and origin in sub.awaiting:
                 wait = sub.awaiting.pop(origin)

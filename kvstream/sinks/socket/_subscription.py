@@ -26,7 +26,7 @@ from kvstream._wire.socket_protocol import (
 from kvstream.codecs.base import Codec
 from kvstream.events import KVCacheEvent
 
-__all__ = ["RingEntry", "Snapshot", "SnapshotWait", "Subscription"]
+__all__ = ["RingEntry", "SharedSnapshot", "SnapshotWait", "Subscription"]
 
 #: A batch in the sink's replay ring: (origin, epoch, seq, frame).
 RingEntry = tuple[str, str, int, bytes]
@@ -41,7 +41,7 @@ class SnapshotWait(NamedTuple):
     oldest: int
 
 
-class Snapshot:
+class SharedSnapshot:
     """One provider call, shared by every subscriber it serves; encoded lazily."""
 
     __slots__ = (
@@ -141,7 +141,7 @@ class Subscription:
         self.min_seq: dict[str, tuple[str, int]] = {}
         self.control: list[bytes] = []
         self.awaiting: dict[str, SnapshotWait] = {}
-        self.snapshots: list[tuple[Snapshot, int]] = []
+        self.snapshots: list[tuple[SharedSnapshot, int]] = []
         self.snapshot_deadline = math.inf
         #: origin -> [epoch, first, next] of batches skipped, not yet announced
         self.drop_gaps: dict[str, list[Any]] = {}

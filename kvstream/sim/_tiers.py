@@ -73,7 +73,9 @@ class BlockRegistry:
 class Tier:
     """One storage tier (`medium`) of one engine; see the module doc."""
 
-    def __init__(self, medium: str, capacity: int, block_size: int, registry: BlockRegistry) -> None:
+    def __init__(
+        self, medium: str, capacity: int, block_size: int, registry: BlockRegistry
+    ) -> None:
         self.medium = medium
         self.capacity = capacity
         self.block_size = block_size

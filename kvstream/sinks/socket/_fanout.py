@@ -39,7 +39,12 @@ from kvstream.events import EventBatch, KVCacheEvent
 from kvstream.sinks._encoding import held_bytes
 from kvstream.sinks._replay_ring import Fifo, ReplayRing
 from kvstream.sinks.burst_log import BurstLog
-from kvstream.sinks.socket._subscription import RingEntry, SharedSnapshot, SnapshotWait, Subscription
+from kvstream.sinks.socket._subscription import (
+    RingEntry,
+    SharedSnapshot,
+    SnapshotWait,
+    Subscription,
+)
 
 __all__ = [
     "SLOW_POLICIES",

@@ -44,7 +44,7 @@ import time
 from abc import abstractmethod
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, Generic, Self, TypedDict, TypeVar
+from typing import Any, Generic, Self, TypedDict, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -64,20 +64,10 @@ from kvstream.consumers.base import (
 from kvstream.consumers.socket import SnapshotBatch
 from kvstream.errors import ClosedError, DecodeError, KVStreamError
 from kvstream.events import EventBatch, KVCacheEvent
-from kvstream.wire.broker import (
-    FromSeq,
-    Heartbeat,
-    PayloadDecoder,
-    SnapshotInfo,
-    check_from_seq,
-    read_envelope,
-    start_seq,
-)
+from kvstream.wire.broker import Heartbeat, PayloadDecoder, SnapshotInfo, read_envelope
+from kvstream.wire.from_seq import FromSeq, check_from_seq, start_seq
 
-if TYPE_CHECKING:
-    from kvstream.config import Options
-
-__all__ = ["Backoff", "BrokerSubscriber", "ReaderOptions", "as_snapshot_batch", "reader_options"]
+__all__ = ["Backoff", "BrokerSubscriber", "ReaderOptions", "as_snapshot_batch"]
 
 log = logging.getLogger("kvstream.consumers")
 
@@ -419,25 +409,3 @@ def as_snapshot_batch(batch: EventBatch, first_missing: int) -> SnapshotBatch:
     assert isinstance(snap, SnapshotBatch)
     snap.first_missing = first_missing
     return snap
-
-
-def reader_options(opts: Options, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """`kwargs` with the URL options every broker subscriber takes.
-
-    `codec` (and that codec's own options), `follow`, `from_seq`,
-    `connect_timeout`, `snapshots` and `heartbeats`; a URL's value wins over
-    the caller's.
-    """
-    from kvstream.config import make_codec
-
-    codec_name = opts.pop_str("codec")
-    if codec_name is not None:
-        kwargs["codec"] = make_codec(codec_name, opts)
-    kwargs["follow"] = opts.pop_bool("follow", kwargs.pop("follow", True))
-    kwargs["from_seq"] = opts.pop_int("from_seq", kwargs.pop("from_seq", None))
-    timeout = opts.pop_float("connect_timeout", kwargs.pop("connect_timeout", 5.0))
-    kwargs["connect_timeout"] = timeout or 5.0
-    if "snapshots" in opts:
-        kwargs["snapshots"] = opts.pop_bool("snapshots")
-    kwargs["heartbeats"] = opts.pop_bool("heartbeats", kwargs.pop("heartbeats", False))
-    return kwargs

@@ -28,7 +28,7 @@ import socket
 import ssl
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Self
+from typing import ClassVar, NamedTuple, Self
 
 import anyio
 import anyio.abc
@@ -48,12 +48,12 @@ from kvstream.consumers.base import (
 )
 from kvstream.errors import ClosedError, ConfigError, DecodeError, TransportError
 from kvstream.events import EventBatch, KVCacheEvent
+from kvstream.wire.from_seq import ANY_ORIGIN, FromSeq, check_from_seq, start_seq
 from kvstream.wire.socket_protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
     FATAL_ERRORS,
     BatchMessage,
     ControlMessage,
-    FromSeq,
     MessageReader,
     ProtocolError,
     SnapshotPart,
@@ -63,10 +63,6 @@ from kvstream.wire.socket_protocol import (
     parse_heartbeat,
     parse_welcome,
 )
-from kvstream.wire.socket_security import client_ssl_context, token_from_options
-
-if TYPE_CHECKING:
-    from kvstream.config import Options, ParsedURL
 
 __all__ = ["SnapshotBatch", "SocketSubscriber", "SocketSubscriberStatistics"]
 
@@ -182,8 +178,7 @@ class SocketSubscriber(Subscriber):
             )
         if port is not None and (type(port) is not int or not 0 < port <= 65535):
             raise ConfigError(f"SocketSubscriber.port: expected an int in 1..65535, got {port!r}")
-        if from_seq is not None:
-            _check_from_seq(from_seq)
+        check_from_seq(from_seq, "SocketSubscriber")
         for what, value in (
             ("retry_initial", retry_initial),
             ("retry_max", retry_max),
@@ -465,7 +460,7 @@ class SocketSubscriber(Subscriber):
             )
         # Resume: every origin after the last batch seen; an origin not seen yet
         # appeared while we were away (the welcome named all the others): all of it.
-        from_seq: dict[str, int] = {"*": 0}
+        from_seq: dict[str, int] = {ANY_ORIGIN: 0}
         if isinstance(self.from_seq, Mapping):
             from_seq.update(self.from_seq)
         positions = self.tracker.origins()
@@ -587,7 +582,7 @@ class SocketSubscriber(Subscriber):
                 log.info("%s: starting from the sink's snapshots", self.address)
                 return
             for origin, info in welcome.origins.items():
-                n = _start_for(self.from_seq, origin)
+                n = start_seq(self.from_seq, origin)
                 if n is None:
                     if info.newest is not None:
                         tracker.expect(origin, info.epoch, info.newest + 1)
@@ -618,66 +613,3 @@ class SocketSubscriber(Subscriber):
             raise TransportError(f"{self.address}: {reason}") from exc
         log.info("%s: %s; reconnecting", self.address, reason)
         self._failures = max(self._failures, 1)
-
-
-def _check_from_seq(from_seq: object) -> None:
-    if type(from_seq) is int:
-        if from_seq < 0:
-            raise ConfigError(f"from_seq: expected an integer >= 0, got {from_seq}")
-        return
-    if isinstance(from_seq, Mapping):
-        for k, v in from_seq.items():
-            if type(k) is not str or not k or type(v) is not int or v < 0:
-                raise ConfigError(
-                    f"from_seq: expected {{origin: seq >= 0}}, got entry {k!r}: {v!r}"
-                )
-        return
-    raise ConfigError(f"from_seq: expected an int, a mapping or None, got {from_seq!r}")
-
-
-def _start_for(from_seq: FromSeq, origin: str) -> int | None:
-    if from_seq is None or isinstance(from_seq, int):
-        return from_seq
-    n = from_seq.get(origin)
-    return from_seq.get("*") if n is None else n
-
-
-def subscriber_from_url(
-    parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]
-) -> SocketSubscriber:
-    """`tcp://HOST:PORT` / `unix:PATH` -> a `SocketSubscriber` (kvstream.config)."""
-    where = parsed.raw.partition("?")[0]
-    token = token_from_options(opts, where)
-    if token is not None:
-        kwargs.setdefault("token", token)
-    ca = opts.pop_str("tls_ca")
-    use_tls = opts.pop_bool("tls", ca is not None)
-    if use_tls and "ssl_context" not in kwargs:
-        kwargs["ssl_context"] = client_ssl_context(ca, where=where)
-    hostname = opts.pop_str("tls_hostname")
-    if hostname is not None:
-        kwargs.setdefault("tls_hostname", hostname)
-    from_seq = opts.pop_int("from_seq")
-    if from_seq is not None:
-        kwargs.setdefault("from_seq", from_seq)
-    kwargs.setdefault("reconnect", opts.pop_bool("reconnect", True))
-    if "snapshots" in opts:
-        kwargs.setdefault("snapshots", opts.pop_bool("snapshots"))
-    kwargs["heartbeats"] = opts.pop_bool("heartbeats", kwargs.pop("heartbeats", False))
-    for key in ("retry_max", "connect_timeout"):
-        value = opts.pop_float(key)
-        if value is not None:
-            kwargs.setdefault(key, value)
-    if "max_message_bytes" in opts:
-        kwargs.setdefault(
-            "max_message_bytes", opts.pop_size("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
-        )
-    if "follow" in kwargs:
-        raise ConfigError(f"{where}: follow= is for files; a socket subscriber always follows")
-    if parsed.scheme == "unix":
-        if not parsed.path:
-            raise ConfigError(f"{where}: expected unix:PATH")
-        return SocketSubscriber(path=parsed.path, **kwargs)
-    if not parsed.port or parsed.path:
-        raise ConfigError(f"{where}: expected tcp://HOST:PORT")
-    return SocketSubscriber(host=parsed.host or None, port=parsed.port, **kwargs)

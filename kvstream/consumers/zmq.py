@@ -57,14 +57,13 @@ import logging
 import math
 import secrets
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, TypeAlias
+from typing import Any, Final, Literal, NamedTuple, TypeAlias
 
 import anyio
 import msgspec
 
-from kvstream.codecs.dialects import DIALECTS
 from kvstream.codecs.msgpack import MsgpackCodec
 from kvstream.consumers.base import (
     Gap,
@@ -84,13 +83,11 @@ from kvstream.errors import (
     TransportError,
 )
 from kvstream.events import EventBatch, KVCacheEvent
-from kvstream.media import MEDIA_POLICIES
 from kvstream.sinks.burst_log import BurstLog
 from kvstream.wire.broker import Heartbeat
 from kvstream.wire.vllm_zmq import (
     DEFAULT_HWM,
     ReplayBatch,
-    endpoint_from_parts,
     normalize_endpoint,
     parse_live,
     parse_replay_reply,
@@ -111,9 +108,6 @@ try:
     from zmq.utils.monitor import parse_monitor_message
 except ImportError as exc:  # pragma: no cover - the extra is installed in tests
     raise MissingDependencyError.for_extra("pyzmq", "zmq", exc) from exc
-
-if TYPE_CHECKING:
-    from kvstream.config import Options, ParsedURL
 
 __all__ = [
     "PublisherStatistics",
@@ -1361,51 +1355,3 @@ def _new_dealer(
     poller.register(dealer, zmq.POLLIN)
     by_socket[dealer] = (link, kind)
     return dealer
-
-
-# -- URL factory (kvstream.config's _SUBSCRIBERS) ---------------------------------------------
-
-
-def subscriber_from_url(parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]) -> Subscriber:
-    """`zmq+tcp://HOST:PORT?replay=tcp://HOST:PORT2&origin=NAME&topic=...&from_seq=N`."""
-    endpoint = endpoint_from_parts(parsed.scheme, parsed.address, parsed.path, parsed.raw)
-    replay = opts.pop_str("replay")
-    snapshot = opts.pop_str("snapshot")
-    bind = opts.pop_bool("bind") if "bind" in opts else None
-    origin = opts.pop_str("origin")
-    from_seq: Any = kwargs.pop("from_seq", None)
-    if isinstance(from_seq, Mapping):  # per origin, as kvstream.subscribe() allows
-        from_seq = from_seq.get(origin or default_origin(endpoint))
-    spec = ZmqPublisher(
-        endpoint,
-        replay_endpoint=None
-        if replay is None
-        else normalize_endpoint(replay, f"{parsed.raw}: replay"),
-        origin=origin,
-        topic=opts.pop_str("topic", "") or "",
-        from_seq=opts.pop_int("from_seq", from_seq),
-        bind=bind,
-        join=opts.pop_choice("join", JOINS, "start"),  # type: ignore[arg-type]
-        snapshot_endpoint=None
-        if snapshot is None
-        else normalize_endpoint(snapshot, f"{parsed.raw}: snapshot"),
-    )
-    kwargs.pop("follow", None)  # a live stream is always followed
-    codec = None
-    if any(k in opts for k in ("dialect", "media")):
-        codec = MsgpackCodec(
-            dialect=opts.pop_choice("dialect", DIALECTS, "auto"),  # type: ignore[arg-type]
-            media=opts.pop_choice("media", MEDIA_POLICIES, "keep"),  # type: ignore[arg-type]
-        )
-    return ZmqSubscriber(
-        spec,
-        codec=codec,
-        replay_timeout=opts.pop_float("replay_timeout", DEFAULT_REPLAY_TIMEOUT)
-        or DEFAULT_REPLAY_TIMEOUT,
-        max_reorder=opts.pop_int("max_reorder", DEFAULT_MAX_REORDER, minimum=1)
-        or DEFAULT_MAX_REORDER,
-        hwm=opts.pop_int("hwm", DEFAULT_HWM, minimum=0) or 0,
-        max_message_bytes=opts.pop_size("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES),
-        heartbeats=opts.pop_bool("heartbeats", bool(kwargs.pop("heartbeats", False))),
-        **kwargs,
-    )

@@ -61,8 +61,8 @@ import hashlib
 import logging
 import re
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
-from urllib.parse import quote, unquote, urlsplit
+from typing import Any, Final, NamedTuple
+from urllib.parse import quote, unquote
 
 import anyio
 import anyio.abc
@@ -73,10 +73,6 @@ from kvstream.codecs.base import Codec
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ConfigError, DecodeError, KVStreamError
 from kvstream.events import BlockStored, EventBatch, KVCacheEvent
-
-if TYPE_CHECKING:
-    from kvstream.config import Options
-
 from kvstream.state import Snapshot, SnapshotSchedule, StateError, StateKeeper, StateLimitError
 
 __all__ = [
@@ -100,15 +96,12 @@ __all__ = [
     "SNAPSHOT_SUBJECT_PREFIX",
     "SUBJECT_PREFIX",
     "BatchKey",
-    "FromSeq",
     "Heartbeat",
     "Heartbeats",
     "PayloadDecoder",
     "SinkSnapshots",
     "SnapshotInfo",
-    "check_from_seq",
     "check_subject",
-    "client_url",
     "default_subject",
     "heartbeat_subject",
     "key_from_fields",
@@ -123,21 +116,16 @@ __all__ = [
     "redis_position",
     "redis_snapshot_index",
     "redis_snapshot_key",
-    "sink_snapshot_options",
     "snapshot_envelope",
     "snapshot_key",
     "snapshot_parts",
     "snapshot_subjects",
-    "start_seq",
     "subject_covers",
     "subject_token",
 ]
 
 #: `(origin, epoch, seq)`: a batch's name for ever.
 BatchKey = tuple[str, str, int]
-#: Where a reader starts: None (live batches only), a seq for every origin, or
-#: `{origin: seq}` with `"*"` for the others (as `kvstream.subscribe`).
-FromSeq = int | Mapping[str, int] | None
 
 HEADER_ORIGIN: Final = "Kv-Origin"
 HEADER_EPOCH: Final = "Kv-Epoch"
@@ -383,48 +371,6 @@ class PayloadDecoder:
             f"payload names batch {batch.origin}/{batch.epoch} seq {batch.seq} "
             f"but its headers name {origin}/{epoch} seq {seq}"
         )
-
-
-def client_url(raw: str, scheme: str, default_port: int) -> str:
-    """`scheme://[userinfo@]host:port` of a sink/source URL: what a client connects to.
-
-    The path (subject or stream) and the query (kvstream's options) are left out;
-    credentials stay (they are never shown in messages).
-    """
-    parts = urlsplit(raw.partition("?")[0])
-    netloc = parts.netloc or f"127.0.0.1:{default_port}"
-    return f"{scheme}://{netloc}"
-
-
-# -- where a reader starts ----------------------------------------------------------
-
-
-def check_from_seq(from_seq: object, where: str) -> FromSeq:
-    """Return `from_seq` if it is a valid `FromSeq`, else raise ConfigError."""
-    if from_seq is None:
-        return None
-    if type(from_seq) is int and from_seq >= 0:
-        return from_seq
-    if isinstance(from_seq, Mapping) and all(
-        type(k) is str and k and type(v) is int and v >= 0 for k, v in from_seq.items()
-    ):
-        return from_seq
-    raise ConfigError(
-        f"{where}: from_seq: expected an int >= 0, {{origin: seq >= 0}} or None, got {from_seq!r}"
-    )
-
-
-def start_seq(from_seq: FromSeq, origin: str) -> int | None:
-    """The first seq of `origin` a reader wants (None: no lower bound).
-
-    A broker keeps history, so a reader that asks for `from_seq` reads the
-    stream from its start and skips, in the first epoch it sees of each
-    origin, the batches below this number.
-    """
-    if from_seq is None or isinstance(from_seq, int):
-        return from_seq
-    n = from_seq.get(origin)
-    return from_seq.get("*") if n is None else n
 
 
 # -- snapshots --------------------------------------------------------------------
@@ -795,20 +741,3 @@ class Heartbeats:
                     self.sent += 1
                 except Exception as exc:  # the next beat tries again; batches report outages
                     log.debug("%s: heartbeat failed: %s", self.where, exc)
-
-
-def sink_snapshot_options(opts: Options) -> dict[str, Any]:
-    """The snapshot and heartbeat options of a broker sink URL, as keyword arguments.
-
-    `snapshot_every` (batches), `snapshot_interval` (seconds),
-    `snapshot_max_bytes` and `heartbeat` (seconds).
-    """
-    out: dict[str, Any] = {
-        "snapshot_every": opts.pop_int("snapshot_every", minimum=1),
-        "snapshot_interval": opts.pop_float("snapshot_interval"),
-        "heartbeat": opts.pop_float("heartbeat"),
-    }
-    max_bytes = opts.pop_int("snapshot_max_bytes", minimum=1)
-    if max_bytes is not None:
-        out["snapshot_max_bytes"] = max_bytes
-    return out

@@ -10,7 +10,7 @@ connect, fetch and acknowledge; the rest is written here once:
   repeats and reports gaps (`BrokerSubscriber._admit()`);
 * **backoff**: a failed read waits `retry_initial` seconds, doubling up to
   `retry_max`, and an outage is logged twice: when it starts and when
-  reading works again (`Backoff`);
+  reading works again (`Outage`, waiting by `kvstream.backoff.Backoff`);
 * **lifetime**: `async with` connects (a failure to start is raised as it
   is), iteration runs one reading generator, and `BrokerSubscriber.aclose()`
   ends that generator (so it can acknowledge what was handed over) and closes
@@ -49,6 +49,7 @@ from typing import Any, Generic, Self, TypedDict, TypeVar
 import anyio
 import anyio.lowlevel
 
+from kvstream.backoff import Backoff
 from kvstream.codecs.base import Codec
 from kvstream.consumers.base import (
     Continuity,
@@ -67,7 +68,7 @@ from kvstream.events import EventBatch, KVCacheEvent
 from kvstream.wire.broker import Heartbeat, PayloadDecoder, SnapshotInfo, read_envelope
 from kvstream.wire.from_seq import FromSeq, check_from_seq, start_seq
 
-__all__ = ["Backoff", "BrokerSubscriber", "ReaderOptions", "as_snapshot_batch"]
+__all__ = ["BrokerSubscriber", "Outage", "ReaderOptions", "as_snapshot_batch"]
 
 log = logging.getLogger("kvstream.consumers")
 
@@ -88,39 +89,39 @@ class ReaderOptions(TypedDict, total=False):
     on_liveness: Callable[[LivenessChange], object] | None
 
 
-class Backoff:
-    """Waits between failed attempts: `initial` seconds, doubling up to `maximum`.
+class Outage:
+    """One reading loop's retries: waits by a `Backoff`, logs an outage once.
 
     The first failure of an outage is logged at WARNING (`<where>: <error>;
     <retrying> with backoff`), the ones after it are only counted, and the
     first success after them logs how many attempts failed.
     """
 
-    __slots__ = ("delay", "failures", "initial", "maximum", "retrying", "where")
+    __slots__ = ("backoff", "retrying", "where")
 
-    def __init__(self, initial: float, maximum: float, where: str, retrying: str) -> None:
-        self.initial = initial
-        self.maximum = maximum
+    def __init__(self, backoff: Backoff, where: str, retrying: str) -> None:
+        self.backoff = backoff
         self.where = where
         self.retrying = retrying
-        self.delay = initial
-        #: Failed attempts since the last success.
-        self.failures = 0
+
+    @property
+    def failures(self) -> int:
+        """Failed attempts since the last success."""
+        return self.backoff.failures
 
     async def wait(self, exc: Exception) -> None:
         """Count the failure `exc` and sleep before the next attempt."""
-        if self.failures == 0:
+        if self.backoff.failures == 0:
             log.warning("%s: %s; %s with backoff", self.where, exc, self.retrying)
-        self.failures += 1
-        await anyio.sleep(self.delay)
-        self.delay = min(self.delay * 2, self.maximum)
+        await self.backoff.wait()
 
     def succeeded(self) -> None:
         """An attempt worked: the next failure starts a new outage."""
-        if self.failures:
-            log.warning("%s: reading again after %d failed attempts", self.where, self.failures)
-            self.failures = 0
-            self.delay = self.initial
+        if self.backoff.failures:
+            log.warning(
+                "%s: reading again after %d failed attempts", self.where, self.backoff.failures
+            )
+            self.backoff.reset()
 
 
 class BrokerSubscriber(Subscriber, Generic[ClientT]):
@@ -159,6 +160,7 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
         self.from_seq = check_from_seq(from_seq, shown)
         self.decoder = PayloadDecoder(codec)
         self.connect_timeout = connect_timeout
+        Backoff(retry_initial, retry_max, where=f"{shown}: retry")  # refuses bad values now
         self._retry_initial = retry_initial
         self._retry_max = retry_max
         self.tracker = SequenceTracker()
@@ -280,9 +282,10 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
     def _stopping(self) -> bool:
         return self._closed  # a call, so that type checkers do not assume it unchanged
 
-    def _backoff(self, retrying: str) -> Backoff:
-        """A fresh `Backoff` for one reading loop."""
-        return Backoff(self._retry_initial, self._retry_max, self.shown, retrying)
+    def _backoff(self, retrying: str) -> Outage:
+        """A fresh `Outage` for one reading loop."""
+        backoff = Backoff(self._retry_initial, self._retry_max, where=f"{self.shown}: retry")
+        return Outage(backoff, self.shown, retrying)
 
     # -- from a decoded batch to items --------------------------------------------------
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import random
 import socket
 import ssl
 from collections import deque
@@ -35,6 +34,7 @@ import anyio.abc
 from anyio.abc import SocketAttribute
 from anyio.streams.tls import TLSStream
 
+from kvstream.backoff import Backoff
 from kvstream.consumers.base import (
     Continuity,
     Gap,
@@ -210,6 +210,7 @@ class SocketSubscriber(Subscriber):
         self._closed = False
         self._ended = False
         self._failures = 0
+        self._backoff = Backoff(self.retry_initial, self.retry_max, jitter=0.5)
         self._connections = 0
         self._restarts = 0
         self._snapshots = 0
@@ -523,8 +524,7 @@ class SocketSubscriber(Subscriber):
             if self.heartbeats:  # a sink that is not there is also silent
                 self._report(self.liveness_tracker.check())
             if self._failures:
-                delay = min(self.retry_initial * 2 ** (self._failures - 1), self.retry_max)
-                await anyio.sleep(delay * random.uniform(0.5, 1.0))
+                await self._backoff.wait()
                 if self.closed:
                     break
             try:
@@ -547,6 +547,7 @@ class SocketSubscriber(Subscriber):
             if self._warned:
                 log.warning("%s: subscribed again", self.address)
             self._failures = 0
+            self._backoff.reset()
             self._warned = False
             self._connections += 1
             self._stream = stream

@@ -38,6 +38,7 @@ from typing import Final, Literal, NamedTuple, Self, TypeAlias, get_args
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
+from kvstream.backoff import Backoff
 from kvstream.codecs.base import Codec, Refusal
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ClosedError, ConfigError
@@ -156,8 +157,7 @@ class Sink(ABC):
         self.max_batches = max_batches
         self.name = name or type(self).__name__
         self.close_timeout = close_timeout
-        self._retry_initial = retry_initial
-        self._retry_max = retry_max
+        self._backoff = Backoff(retry_initial, retry_max, where=f"{self.name}: retry")
         # A private encoding until a scheduler joins the sink to its group.
         self._encoding = SharedEncoding(codec)
         self._encoding.users = 1
@@ -563,7 +563,7 @@ class Sink(ABC):
             self._writer_done.set()
 
     async def _deliver(self, items: list[tuple[bytes, EventBatch]]) -> None:
-        delay = self._retry_initial
+        backoff = self._backoff
         while True:
             if self._discarded:
                 self._discarded.clear()
@@ -584,8 +584,7 @@ class Sink(ABC):
                         exc,
                     )
                 self._burst_errors += 1
-                await anyio.sleep(delay)
-                delay = min(delay * 2, self._retry_max)
+                await backoff.wait()
                 try:
                     await self.recover(exc)
                 except Exception as rexc:
@@ -593,6 +592,7 @@ class Sink(ABC):
                 continue
             if not self._healthy:
                 self._healthy = True
+                backoff.reset()
                 log.warning(
                     "%s: send recovered after %d failed attempts", self.name, self._burst_errors
                 )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import socket
 import ssl
@@ -35,6 +36,7 @@ from anyio.abc import SocketAttribute
 from anyio.streams.tls import TLSStream
 
 from kvstream.backoff import Backoff
+from kvstream.burst_log import BurstLog
 from kvstream.consumers.base import (
     Continuity,
     Gap,
@@ -215,8 +217,8 @@ class SocketSubscriber(Subscriber):
         self._restarts = 0
         self._snapshots = 0
         self._bad_messages = 0
-        self._bad_burst = False
-        self._warned = False
+        self._bad_log = BurstLog(log, math.inf)
+        self._outage_log = BurstLog(log, math.inf)
         #: Whether a cold start begins from snapshots the sink offers.
         self.snapshots = from_seq is None if snapshots is None else bool(snapshots)
         self._rejoin = False
@@ -316,15 +318,11 @@ class SocketSubscriber(Subscriber):
                 return
             except DecodeError as exc:
                 self._bad_messages += 1
-                if not self._bad_burst:  # once per burst; every one is counted
-                    self._bad_burst = True
-                    log.warning("%s: message skipped: %s", self.address, exc)
-                else:
-                    log.debug("%s: message skipped: %s", self.address, exc)
+                self._bad_log.log("%s: message skipped: %s", self.address, exc)  # all counted
                 continue
             if message is None:
                 return
-            self._bad_burst = False
+            self._bad_log.clear()
             if isinstance(message, BatchMessage):
                 self._on_batch(message.batch)
             elif isinstance(message, SnapshotPart):
@@ -544,11 +542,10 @@ class SocketSubscriber(Subscriber):
                 with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                     await stream.aclose()
                 break
-            if self._warned:
+            if self._outage_log.clear():
                 log.warning("%s: subscribed again", self.address)
             self._failures = 0
             self._backoff.reset()
-            self._warned = False
             self._connections += 1
             self._stream = stream
             self._reader = reader
@@ -565,11 +562,7 @@ class SocketSubscriber(Subscriber):
 
     def _failed(self, exc: BaseException) -> None:
         self._failures += 1
-        if not self._warned:
-            self._warned = True
-            log.warning("%s: cannot subscribe (%s); retrying", self.address, exc)
-        else:
-            log.debug("%s: cannot subscribe (%s); retrying", self.address, exc)
+        self._outage_log.log("%s: cannot subscribe (%s); retrying", self.address, exc)
 
     def _on_welcome(self, welcome: Welcome) -> None:
         self.welcome = welcome

@@ -64,6 +64,7 @@ from typing import Any, Final, Literal, NamedTuple, TypeAlias
 import anyio
 import msgspec
 
+from kvstream.burst_log import BurstLog
 from kvstream.codecs.msgpack import MsgpackCodec
 from kvstream.consumers.base import (
     Gap,
@@ -83,7 +84,6 @@ from kvstream.errors import (
     TransportError,
 )
 from kvstream.events import EventBatch, KVCacheEvent
-from kvstream.sinks.burst_log import BurstLog
 from kvstream.wire.broker import Heartbeat
 from kvstream.wire.vllm_zmq import (
     DEFAULT_HWM,
@@ -300,9 +300,9 @@ class PublisherStream:
         self.reset_dealer = False
         #: Set when the subscriber is stopping: no new replay starts.
         self.stopping = False
-        self._malformed_burst = False
-        self._overflow_burst = False
-        self._refused_burst = False
+        self._malformed_log = BurstLog(log, math.inf)
+        self._overflow_log = BurstLog(log, math.inf)
+        self._refused_log = BurstLog(log, math.inf)
         self.events_refused = 0
         # counters
         self.batches = 0
@@ -351,7 +351,7 @@ class PublisherStream:
     def on_live(self, seq: int, payload: bytes, now: float) -> list[SubscriberItem]:
         """A live batch arrived."""
         out: list[SubscriberItem] = []
-        self._malformed_burst = False
+        self._malformed_log.clear()
         last = self.last_live
         if last is not None and seq <= last:
             if seq == last:  # the same batch again: a duplicate, never a restart
@@ -482,9 +482,7 @@ class PublisherStream:
     def on_malformed(self, reason: str) -> None:
         """A live or replay message that could not be read at all (no usable seq)."""
         self.malformed += 1
-        if not self._malformed_burst:
-            self._malformed_burst = True
-            log.warning("origin %s: malformed message skipped: %s", self.origin, reason)
+        self._malformed_log.log("origin %s: malformed message skipped: %s", self.origin, reason)
 
     def on_heartbeat(self, hb: Heartbeat, now: float) -> list[SubscriberItem]:
         """The publisher's heartbeat: a restart while idle, or batches missed at the tail."""
@@ -607,16 +605,14 @@ class PublisherStream:
             or self.held_bytes + len(payload) > self.max_reorder_bytes
         ):
             self.reorder_overflow += 1
-            if not self._overflow_burst:
-                self._overflow_burst = True
-                log.warning(
-                    "origin %s: reorder buffer full (%d batches, %d bytes) while a replay "
-                    "is in flight; live batch %d dropped, to be replayed later",
-                    self.origin,
-                    len(self.held),
-                    self.held_bytes,
-                    seq,
-                )
+            self._overflow_log.log(
+                "origin %s: reorder buffer full (%d batches, %d bytes) while a replay "
+                "is in flight; live batch %d dropped, to be replayed later",
+                self.origin,
+                len(self.held),
+                self.held_bytes,
+                seq,
+            )
             return
         self.held[seq] = payload
         self.held_bytes += len(payload)
@@ -629,7 +625,7 @@ class PublisherStream:
         it (the rest stays held). Each new replay starts further on, so this ends.
         """
         self.replaying = False
-        self._overflow_burst = False
+        self._overflow_log.clear()
         until, self.replay_until = self.replay_until, None
         out: list[SubscriberItem] = []
         for seq in sorted(self.held):
@@ -722,21 +718,19 @@ class PublisherStream:
             return [self._gap(seq, seq + 1, f"undecodable payload: {exc}")]
         if refused:
             self.events_refused += len(refused)
-            if not self._refused_burst:
-                self._refused_burst = True
-                first = refused[0]
-                log.warning(
-                    "origin %s: batch %d: %d event(s) no dialect reads were refused, the rest "
-                    "delivered (first: events[%d] %s: %s); counted only for the rest of the burst",
-                    self.origin,
-                    seq,
-                    len(refused),
-                    first.position,
-                    first.event_type,
-                    first.reason,
-                )
+            first = refused[0]
+            self._refused_log.log(
+                "origin %s: batch %d: %d event(s) no dialect reads were refused, the rest "
+                "delivered (first: events[%d] %s: %s); counted only for the rest of the burst",
+                self.origin,
+                seq,
+                len(refused),
+                first.position,
+                first.event_type,
+                first.reason,
+            )
         else:
-            self._refused_burst = False
+            self._refused_log.clear()
         self.batches += 1
         self.events += len(batch.events)
         if replayed:
@@ -946,7 +940,7 @@ class ZmqSubscriber(Subscriber):
         self._gen: AsyncGenerator[SubscriberItem, None] | None = None
         #: Malformed messages on a bound link that no origin could be told from.
         self._fan_in_malformed = 0
-        self._fan_in_burst = False
+        self._fan_in_log = BurstLog(log, math.inf)
         self._dropped_connections = 0
         self._drops = BurstLog(log)
         self._closed = False
@@ -1309,15 +1303,13 @@ class ZmqSubscriber(Subscriber):
                     stream.on_malformed(str(exc))
                 else:
                     self._fan_in_malformed += 1
-                    if not self._fan_in_burst:
-                        self._fan_in_burst = True
-                        log.warning(
-                            "%s: message skipped (counted only for the rest of the burst): %s",
-                            link.spec.endpoint,
-                            exc,
-                        )
+                    self._fan_in_log.log(
+                        "%s: message skipped (counted only for the rest of the burst): %s",
+                        link.spec.endpoint,
+                        exc,
+                    )
                 continue
-            self._fan_in_burst = False
+            self._fan_in_log.clear()
             if stream is not None and (
                 stream.requests or stream.reset_dealer or stream.snapshot_wanted
             ):

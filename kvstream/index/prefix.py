@@ -26,6 +26,7 @@ See `docs/prefix-index.md` for the semantics of every edge case and measured num
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import struct
 import sys
@@ -36,6 +37,7 @@ from itertools import repeat
 from types import EllipsisType, MappingProxyType
 from typing import Any, Final, NamedTuple, cast
 
+from kvstream.burst_log import BurstLogs
 from kvstream.consumers.base import Gap
 from kvstream.errors import ConfigError
 from kvstream.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
@@ -361,7 +363,7 @@ class PrefixIndex:
         #: the index's own weights per tier index, and those tiers heaviest first (made
         #: when first needed after a new tier)
         self._weight_cache: tuple[list[float], list[int]] | None = None
-        self._logged: set[tuple[str, str]] = set()
+        self._anomaly_log: BurstLogs[tuple[str, str]] = BurstLogs(log, math.inf)
         self._counts: dict[str, int] = dict.fromkeys(
             (
                 "batches",
@@ -603,7 +605,8 @@ class PrefixIndex:
         bit = 1 << state.slot
         self._origin_mask &= ~bit
         self._stale_mask &= ~bit
-        self._logged = {k for k in self._logged if k[0] != state.label}
+        label = state.label
+        self._anomaly_log.clear_where(lambda key: key[0] == label)
 
     def _retire(self, state: _Stream) -> None:
         assert state.epoch is not None
@@ -729,15 +732,13 @@ class PrefixIndex:
     def _note(self, state: _Stream, kind: str, n: int = 1) -> None:
         """Count an anomaly; log it once per stream and kind until the stream is cleared."""
         self._counts[kind] += n
-        key = (state.label, kind)
-        if key not in self._logged:
-            self._logged.add(key)
-            log.warning(
-                "index: stream %r: %s (counted in statistics(); logged once until the "
-                "stream's next snapshot or epoch)",
-                state.label,
-                kind.replace("_", " "),
-            )
+        self._anomaly_log.log(
+            (state.label, kind),
+            "index: stream %r: %s (counted in statistics(); logged once until the "
+            "stream's next snapshot or epoch)",
+            state.label,
+            kind.replace("_", " "),
+        )
 
     # -- events ----------------------------------------------------------------------------
 
@@ -1141,7 +1142,8 @@ class PrefixIndex:
         state.waiting = {}
         state.held = [0] * len(self._tiers)
         self._set_fresh(state)
-        self._logged = {k for k in self._logged if k[0] != state.label}
+        label = state.label
+        self._anomaly_log.clear_where(lambda key: key[0] == label)
 
     # -- orphans -----------------------------------------------------------------------------
 

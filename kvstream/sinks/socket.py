@@ -63,11 +63,11 @@ import anyio.abc
 from anyio.abc import SocketAttribute, TaskGroup
 from anyio.streams.tls import TLSStream
 
+from kvstream.burst_log import BurstLog
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ConfigError, TransportError
 from kvstream.events import EventBatch
 from kvstream.sinks.base import Sink
-from kvstream.sinks.burst_log import BurstLog
 from kvstream.sinks.socket_fanout import (
     SLOW_POLICIES,
     BarrierRequest,

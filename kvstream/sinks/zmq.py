@@ -60,11 +60,11 @@ import anyio
 import anyio.lowlevel
 from anyio.abc import TaskGroup
 
+from kvstream.burst_log import BurstLog
 from kvstream.codecs.msgpack import MsgpackCodec
 from kvstream.errors import ConfigError, DecodeError, MissingDependencyError, TransportError
 from kvstream.events import EventBatch
 from kvstream.sinks.base import Sink
-from kvstream.sinks.burst_log import BurstLog
 from kvstream.sinks.encoding import held_bytes
 from kvstream.sinks.replay_ring import ReplayRing
 from kvstream.sinks.zmq_snapshots import SnapshotServer, SnapshotServerStatistics, next_request

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import re
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any, Final, NamedTuple
@@ -69,6 +70,7 @@ import anyio.abc
 import anyio.lowlevel
 import orjson
 
+from kvstream.burst_log import BurstLogs
 from kvstream.codecs.base import Codec
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ConfigError, DecodeError, KVStreamError
@@ -620,7 +622,7 @@ class SinkSnapshots:
         self.keeper = StateKeeper(max_bytes=max_bytes)
         self.schedule = SnapshotSchedule(every, interval, clock=clock)
         self._positions: dict[str, str] = {}
-        self._warned: set[str] = set()
+        self._unknown_log: BurstLogs[str] = BurstLogs(log, math.inf)
         #: Snapshots published, and publications that failed (tried again when next due).
         self.published = 0
         self.failed = 0
@@ -640,11 +642,9 @@ class SinkSnapshots:
         try:
             snap = self.keeper.snapshot_header(origin)
         except StateError as exc:
-            if origin not in self._warned:
-                self._warned.add(origin)
-                log.warning("%s: cannot publish a snapshot: %s", self.where, exc)
+            self._unknown_log.log(origin, "%s: cannot publish a snapshot: %s", self.where, exc)
             return None
-        self._warned.discard(origin)
+        self._unknown_log.clear(origin)
         return snap, self._positions[origin]
 
     async def encode(self, origin: str) -> tuple[Snapshot, str, list[bytes]] | None:

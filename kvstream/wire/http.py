@@ -40,8 +40,8 @@ from anyio.abc import SocketAttribute, SocketListener, SocketStream, TaskGroup
 from anyio.streams.stapled import MultiListener
 
 from kvstream.backoff import Backoff
+from kvstream.burst_log import BurstLog
 from kvstream.errors import ClosedError, ConfigError, TransportError
-from kvstream.sinks.burst_log import BurstLog
 from kvstream.wire.socket_security import bearer_authorized, check_listen_address
 
 __all__ = [

@@ -71,6 +71,8 @@ DEFAULT_QUEUE_CHUNKS: Final = 64
 _DRAIN_TIMEOUT: Final = 5.0
 #: Seconds a stopping subscriber may take to finish a replay in flight.
 STOP_GRACE: Final = 2.0
+#: Seconds a burst of refused batches of one conflicting origin lasts: one error each.
+CONFLICT_BURST: Final = 10.0
 
 
 class RelayStatistics(NamedTuple):
@@ -175,8 +177,8 @@ class Relay:
         self._running = 0
         self._stopping = False
         self._ran = False
-        #: One error per origin and burst of conflicting batches (a burst: 10 s).
-        self._conflict_log: BurstLogs[str] = BurstLogs(log, level=logging.ERROR)
+        #: One error per origin and burst of conflicting batches.
+        self._conflict_log: BurstLogs[str] = BurstLogs(log, CONFLICT_BURST, level=logging.ERROR)
         # counters
         self._batches_in = 0
         self._events_in = 0

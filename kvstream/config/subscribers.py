@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvstream.config import make_codec
 from kvstream.config.endpoints import client_url, token_from_options
 from kvstream.errors import ConfigError
 from kvstream.wire.from_seq import check_from_seq, start_seq
@@ -49,6 +50,7 @@ def socket_subscriber(parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]) 
     from kvstream.wire.socket_security import client_ssl_context
 
     where = parsed.raw.partition("?")[0]
+    kwargs.setdefault("codecs", make_codec)  # the one table of names, plug-ins included
     token = token_from_options(opts, where)
     if token is not None:
         kwargs.setdefault("token", token)
@@ -153,8 +155,7 @@ def broker_options(opts: Options, kwargs: dict[str, Any]) -> dict[str, Any]:
     `connect_timeout`, `snapshots` and `heartbeats`; a URL's value wins over
     the caller's.
     """
-    from kvstream.config import make_codec
-
+    kwargs.setdefault("codecs", make_codec)  # the one table of names, plug-ins included
     codec_name = opts.pop_str("codec")
     if codec_name is not None:
         kwargs["codec"] = make_codec(codec_name, opts)

@@ -66,6 +66,7 @@ from kvstream.consumers.socket import SnapshotBatch
 from kvstream.errors import ClosedError, DecodeError, KVStreamError
 from kvstream.events import EventBatch, KVCacheEvent
 from kvstream.wire.broker import Heartbeat, PayloadDecoder, SnapshotInfo, read_envelope
+from kvstream.wire.codec_names import CodecByName
 from kvstream.wire.from_seq import FromSeq, check_from_seq, start_seq
 
 __all__ = ["BrokerSubscriber", "Outage", "ReaderOptions", "as_snapshot_batch"]
@@ -87,6 +88,7 @@ class ReaderOptions(TypedDict, total=False):
     snapshots: bool | None
     heartbeats: bool
     on_liveness: Callable[[LivenessChange], object] | None
+    codecs: CodecByName | None
 
 
 class Outage:
@@ -131,8 +133,9 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
     `url` is what the client connects to, `shown` the same without
     credentials (for messages). `follow=False` stops once the subscriber has
     caught up. `codec` decodes messages that do not name their codec
-    (default JSON). See the module doc for `from_seq`, `retry_initial` and
-    `retry_max`.
+    (default JSON); `codecs` finds the codec a message names (default:
+    kvstream's own; through a URL, the registry's). See the module doc for
+    `from_seq`, `retry_initial` and `retry_max`.
 
     A subclass connects in `_connect()` (setting `_client`), closes in
     `_disconnect()`, and reads in `_read()`, an async generator that
@@ -153,12 +156,13 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
         snapshots: bool | None = None,
         heartbeats: bool = False,
         on_liveness: Callable[[LivenessChange], object] | None = None,
+        codecs: CodecByName | None = None,
     ) -> None:
         self.url = url
         self.shown = shown
         self.follow = follow
         self.from_seq = check_from_seq(from_seq, shown)
-        self.decoder = PayloadDecoder(codec)
+        self.decoder = PayloadDecoder(codec, codecs)
         self.connect_timeout = connect_timeout
         Backoff(retry_initial, retry_max, where=f"{shown}: retry")  # refuses bad values now
         self._retry_initial = retry_initial

@@ -50,6 +50,7 @@ from kvstream.consumers.base import (
 )
 from kvstream.errors import ClosedError, ConfigError, DecodeError, TransportError
 from kvstream.events import EventBatch, KVCacheEvent
+from kvstream.wire.codec_names import CodecByName, builtin_codec
 from kvstream.wire.from_seq import ANY_ORIGIN, FromSeq, check_from_seq, start_seq
 from kvstream.wire.socket_protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -153,6 +154,8 @@ class SocketSubscriber(Subscriber):
     offers one. `heartbeats=True` listens to the sink's heartbeats (a sink
     with `heartbeat=`): an origin heard from neither by batch nor heartbeat for
     two intervals is reported gone (`on_liveness`, the log, `liveness()`).
+    `codecs` finds the codec the sink's welcome names (default: kvstream's
+    own; through a URL, the registry's, plug-ins included).
     """
 
     def __init__(
@@ -173,6 +176,7 @@ class SocketSubscriber(Subscriber):
         snapshots: bool | None = None,
         heartbeats: bool = False,
         on_liveness: Callable[[LivenessChange], object] | None = None,
+        codecs: CodecByName = builtin_codec,
     ) -> None:
         if (path is None) == (port is None):
             raise ConfigError(
@@ -199,6 +203,7 @@ class SocketSubscriber(Subscriber):
         self.max_message_bytes = max_message_bytes
         MessageReader(max_message_bytes)  # validates it now
         self._token = token
+        self._codecs = codecs
         self._ssl = ssl_context
         self._tls_hostname = tls_hostname
         self.tracker = SequenceTracker()
@@ -509,7 +514,7 @@ class SocketSubscriber(Subscriber):
                     break
                 reader.feed(await stream.receive(_RECEIVE_BYTES))
             welcome = parse_welcome(raw[0])
-            reader.use(welcome.framing, codec_by_name(welcome.codec))
+            reader.use(welcome.framing, codec_by_name(welcome.codec, self._codecs))
         except BaseException:
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await stream.aclose()

@@ -76,6 +76,7 @@ from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ConfigError, DecodeError, KVStreamError
 from kvstream.events import BlockStored, EventBatch, KVCacheEvent
 from kvstream.state import Snapshot, SnapshotSchedule, StateError, StateKeeper, StateLimitError
+from kvstream.wire.codec_names import CodecByName, builtin_codec
 
 __all__ = [
     "DEFAULT_NATS_STREAM",
@@ -305,11 +306,14 @@ class PayloadDecoder:
     reads a stream written with several codecs), falling back to `default`
     when the message names none. A payload that carries its own name (JSON
     lines) must agree with the headers; one that does not (vLLM's msgpack) gets
-    the headers' name. Everything wrong is a [`DecodeError`][kvstream.errors.DecodeError].
+    the headers' name. `codecs` finds a codec by name (default: kvstream's own,
+    see `kvstream.wire.codec_names`). Everything wrong is a
+    [`DecodeError`][kvstream.errors.DecodeError].
     """
 
-    def __init__(self, default: Codec | None = None) -> None:
+    def __init__(self, default: Codec | None = None, codecs: CodecByName | None = None) -> None:
         self.default: Codec = default if default is not None else JsonCodec()
+        self._by_name: CodecByName = codecs if codecs is not None else builtin_codec
         self._codecs: dict[str, Codec] = {self.default.name: self.default}
 
     def codec(self, name: str | None) -> Codec:
@@ -318,10 +322,8 @@ class PayloadDecoder:
             return self.default
         codec = self._codecs.get(name)
         if codec is None:
-            from kvstream.config import make_codec  # the one table of codec names
-
             try:
-                codec = make_codec(name)
+                codec = self._by_name(name)
             except ConfigError as exc:
                 raise DecodeError(str(exc)) from None
             self._codecs[name] = codec

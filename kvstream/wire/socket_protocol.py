@@ -89,6 +89,7 @@ from kvstream.codecs.json import JsonCodec, json_default
 from kvstream.errors import ConfigError, DecodeError, shorten
 from kvstream.events import EventBatch, KVCacheEvent
 from kvstream.wire.broker import Heartbeat
+from kvstream.wire.codec_names import CodecByName, builtin_codec
 from kvstream.wire.from_seq import ANY_ORIGIN, FromSeq, start_seq
 
 __all__ = [
@@ -413,12 +414,10 @@ def parse_welcome(obj: Mapping[str, Any]) -> Welcome:
     return Welcome(version, codec, framing, bool(obj.get("snapshot", False)), origins)
 
 
-def codec_by_name(name: str) -> Codec:
-    """The decoder for a codec the welcome names (`json`, `msgpack`, or a plug-in's)."""
-    from kvstream.config import make_codec  # the one table of codec names
-
+def codec_by_name(name: str, codecs: CodecByName = builtin_codec) -> Codec:
+    """The decoder for a codec the welcome names, found by `codecs`."""
     try:
-        return make_codec(name)
+        return codecs(name)
     except ConfigError as exc:
         raise ProtocolError(f"welcome.{exc}") from None
 

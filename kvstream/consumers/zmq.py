@@ -67,12 +67,14 @@ import msgspec
 from kvstream.burst_log import BurstLog
 from kvstream.codecs.msgpack import MsgpackCodec
 from kvstream.consumers.base import (
+    Continuity,
     Gap,
     Liveness,
     LivenessChange,
     LivenessTracker,
     Subscriber,
     SubscriberItem,
+    continuity,
     report_liveness,
 )
 from kvstream.consumers.broker import as_snapshot_batch
@@ -369,12 +371,17 @@ class PublisherStream:
             self._hold(seq, payload)
             return out
         expected = self.expected
-        if expected is None:
+        # The epoch is this subscriber's own (the vLLM wire has none): restarts are
+        # told by seq going back, above; within it, the one continuity rule.
+        epoch = self.epoch
+        place = continuity(None if expected is None else (epoch, expected), epoch, seq)
+        if place is Continuity.FIRST:
             self.expected = seq
-        elif seq < expected:
+        elif place is Continuity.DUPLICATE:
             self.duplicates += 1
             return out
-        elif seq > expected:
+        elif place is Continuity.GAP:
+            assert expected is not None
             if self._can_replay(now):
                 self._begin_replay(expected, seq, now)
                 self._hold(seq, payload)
@@ -408,11 +415,12 @@ class PublisherStream:
         expected = self.expected
         assert expected is not None  # a replay always starts from a known position
         seq = reply.seq
-        if seq < expected:
+        place = continuity((self.epoch, expected), self.epoch, seq)
+        if place is Continuity.DUPLICATE:
             self.duplicates += 1
             return []
         out: list[SubscriberItem] = []
-        if seq > expected:
+        if place is Continuity.GAP:
             if self._can_snapshot(expected):
                 # Beyond the ring: the snapshot stands in for what it forgot.
                 self.replaying = False

@@ -38,7 +38,7 @@ from types import EllipsisType, MappingProxyType
 from typing import Any, Final, NamedTuple, cast
 
 from kvstream.burst_log import BurstLogs
-from kvstream.consumers.base import Gap
+from kvstream.consumers.base import Continuity, Gap, continuity
 from kvstream.errors import ConfigError
 from kvstream.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
 from kvstream.index.hashing import BlockHasher, fold_engine_hash, tokens_array
@@ -416,12 +416,20 @@ class PrefixIndex:
         if state is None:
             state = self._add_stream(key, now)
         seq = item.seq
-        if state.epoch != item.epoch:
-            if item.epoch in state.retired:
-                self._counts["retired_epoch_batches"] += 1
-                self._note(state, "retired_epoch_batches", 0)
-                return
-            if state.epoch is not None:
+        known = None if state.epoch is None else (state.epoch, state.next_seq)
+        place = continuity(known, item.epoch, seq, state.retired)
+        if place is Continuity.DUPLICATE:
+            self._counts["duplicate_batches"] += 1
+            return
+        if place is Continuity.GAP:
+            self._counts["gaps"] += 1
+            self._set_stale(state, f"batches {state.next_seq}..{seq - 1} missing")
+        elif place is Continuity.RETIRED:
+            self._counts["retired_epoch_batches"] += 1
+            self._note(state, "retired_epoch_batches", 0)
+            return
+        elif place is not Continuity.NEXT:  # the first batch of an epoch
+            if place is Continuity.NEW_EPOCH:
                 self._counts["restarts"] += 1
                 self._retire(state)
                 self._clear(state)
@@ -430,12 +438,6 @@ class PrefixIndex:
                 self._set_stale(state, f"joined epoch {item.epoch!r} at seq {seq}")
             else:
                 self._set_fresh(state)
-        elif seq < state.next_seq:
-            self._counts["duplicate_batches"] += 1
-            return
-        elif seq > state.next_seq:
-            self._counts["gaps"] += 1
-            self._set_stale(state, f"batches {state.next_seq}..{seq - 1} missing")
         state.next_seq = seq + 1
         state.last_seen = now
         counts = self._counts
@@ -620,12 +622,14 @@ class PrefixIndex:
         if not targets:
             targets = [self._add_stream((name, None), now)]
         for state in targets:
-            if gap.epoch != state.epoch and gap.epoch in state.retired:
+            known = None if state.epoch is None else (state.epoch, state.next_seq)
+            place = continuity(known, gap.epoch, gap.first_missing, state.retired)
+            if place is Continuity.RETIRED:
                 self._counts["retired_epoch_batches"] += 1
                 continue
             self._counts["gaps"] += 1
-            if state.epoch != gap.epoch:
-                if state.epoch is not None:
+            if place is Continuity.FIRST or place is Continuity.NEW_EPOCH:
+                if place is Continuity.NEW_EPOCH:
                     self._counts["restarts"] += 1
                     self._retire(state)
                     self._clear(state)

@@ -33,6 +33,7 @@ from kvstream.config.registry import Registry
 from kvstream.consumers.base import Subscriber
 from kvstream.errors import ConfigError
 from kvstream.sinks.base import DEFAULT_MAX_BATCHES, DEFAULT_MAX_BYTES, POLICIES, Sink
+from kvstream.wire.from_seq import FromSeq
 
 __all__ = [
     "Options",
@@ -254,9 +255,7 @@ def open_subscriber(url: str, *, registry: Registry | None = None, **kwargs: Any
     return sub
 
 
-def subscribe(
-    url: str, from_seq: int | Mapping[str, int] | None = None, **kwargs: Any
-) -> Subscriber:
+def subscribe(url: str, from_seq: FromSeq = None, **kwargs: Any) -> Subscriber:
     """A subscriber for any URL `open_subscriber()` knows, from `from_seq` on:
 
         async with kvstream.subscribe("tcp://127.0.0.1:5600", from_seq=0) as sub:

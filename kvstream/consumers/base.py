@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Container
 from enum import Enum
 from types import TracebackType
-from typing import Literal, NamedTuple, Self, TypeAlias
+from typing import Final, Literal, NamedTuple, Self, TypeAlias
 
 from kvstream.events import EventBatch
 
@@ -81,13 +81,22 @@ def continuity(
     first batch; `retired` holds the epochs it left, where a reader keeps them.
     """
     if known is None:
-        return Continuity.FIRST
+        return _FIRST
     current, expected = known
     if epoch != current:
-        return Continuity.RETIRED if epoch in retired else Continuity.NEW_EPOCH
+        return _RETIRED if epoch in retired else _NEW_EPOCH
     if seq == expected:
-        return Continuity.NEXT
-    return Continuity.DUPLICATE if seq < expected else Continuity.GAP
+        return _NEXT
+    return _DUPLICATE if seq < expected else _GAP
+
+
+# An enum member looked up on its class costs ~80 ns on CPython 3.11; a global ~10.
+_FIRST: Final = Continuity.FIRST
+_NEXT: Final = Continuity.NEXT
+_NEW_EPOCH: Final = Continuity.NEW_EPOCH
+_DUPLICATE: Final = Continuity.DUPLICATE
+_GAP: Final = Continuity.GAP
+_RETIRED: Final = Continuity.RETIRED
 
 
 class SequenceTracker:
@@ -119,11 +128,11 @@ class SequenceTracker:
         seq = batch.seq
         known = self._expected.get(origin)
         state = continuity(known, batch.epoch, seq)
-        if state is Continuity.DUPLICATE:
+        if state is _DUPLICATE:
             self.duplicates += 1
             return state, None
         self._expected[origin] = (batch.epoch, seq + 1)
-        if state is Continuity.GAP:
+        if state is _GAP:
             assert known is not None
             expected = known[1]
             self.gaps += 1

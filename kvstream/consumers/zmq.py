@@ -120,6 +120,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvstream.consumers")
+#: The continuity rule's usual answer, as a global (a member looked up on its enum: ~80 ns).
+_NEXT: Final = Continuity.NEXT
 
 DEFAULT_REPLAY_TIMEOUT: Final = 5.0
 DEFAULT_MAX_REORDER: Final = 10_000
@@ -375,7 +377,9 @@ class PublisherStream:
         # told by seq going back, above; within it, the one continuity rule.
         epoch = self.epoch
         place = continuity(None if expected is None else (epoch, expected), epoch, seq)
-        if place is Continuity.FIRST:
+        if place is _NEXT:
+            pass
+        elif place is Continuity.FIRST:
             self.expected = seq
         elif place is Continuity.DUPLICATE:
             self.duplicates += 1
@@ -416,11 +420,11 @@ class PublisherStream:
         assert expected is not None  # a replay always starts from a known position
         seq = reply.seq
         place = continuity((self.epoch, expected), self.epoch, seq)
-        if place is Continuity.DUPLICATE:
+        if place is not _NEXT and place is Continuity.DUPLICATE:
             self.duplicates += 1
             return []
         out: list[SubscriberItem] = []
-        if place is Continuity.GAP:
+        if place is not _NEXT and place is Continuity.GAP:
             if self._can_snapshot(expected):
                 # Beyond the ring: the snapshot stands in for what it forgot.
                 self.replaying = False

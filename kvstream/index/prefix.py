@@ -55,6 +55,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvstream.index")
+#: The continuity rule's usual answer, as a global (a member looked up on its enum: ~80 ns).
+_NEXT: Final = Continuity.NEXT
 
 #: Tiers reported for a block held on several, fastest first; others follow in
 #: the order the index first saw them.
@@ -418,26 +420,27 @@ class PrefixIndex:
         seq = item.seq
         known = None if state.epoch is None else (state.epoch, state.next_seq)
         place = continuity(known, item.epoch, seq, state.retired)
-        if place is Continuity.DUPLICATE:
-            self._counts["duplicate_batches"] += 1
-            return
-        if place is Continuity.GAP:
-            self._counts["gaps"] += 1
-            self._set_stale(state, f"batches {state.next_seq}..{seq - 1} missing")
-        elif place is Continuity.RETIRED:
-            self._counts["retired_epoch_batches"] += 1
-            self._note(state, "retired_epoch_batches", 0)
-            return
-        elif place is not Continuity.NEXT:  # the first batch of an epoch
-            if place is Continuity.NEW_EPOCH:
-                self._counts["restarts"] += 1
-                self._retire(state)
-                self._clear(state)
-            state.epoch = item.epoch
-            if seq != 0:
-                self._set_stale(state, f"joined epoch {item.epoch!r} at seq {seq}")
-            else:
-                self._set_fresh(state)
+        if place is not _NEXT:
+            if place is Continuity.DUPLICATE:
+                self._counts["duplicate_batches"] += 1
+                return
+            if place is Continuity.GAP:
+                self._counts["gaps"] += 1
+                self._set_stale(state, f"batches {state.next_seq}..{seq - 1} missing")
+            elif place is Continuity.RETIRED:
+                self._counts["retired_epoch_batches"] += 1
+                self._note(state, "retired_epoch_batches", 0)
+                return
+            else:  # the first batch of an epoch
+                if place is Continuity.NEW_EPOCH:
+                    self._counts["restarts"] += 1
+                    self._retire(state)
+                    self._clear(state)
+                state.epoch = item.epoch
+                if seq != 0:
+                    self._set_stale(state, f"joined epoch {item.epoch!r} at seq {seq}")
+                else:
+                    self._set_fresh(state)
         state.next_seq = seq + 1
         state.last_seen = now
         counts = self._counts

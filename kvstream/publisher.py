@@ -66,6 +66,7 @@ from typing import Any, Final, Literal, NamedTuple
 import msgspec
 from msgspec.structs import force_setattr
 
+from kvstream.burst_log import BurstLog
 from kvstream.codecs.base import Refusal
 from kvstream.errors import ConfigError, InvalidEventError, InvalidEventTypeError, shorten
 from kvstream.events import (
@@ -78,7 +79,6 @@ from kvstream.events import (
 )
 from kvstream.scheduler import Scheduler
 from kvstream.sinks.base import Sink
-from kvstream.sinks.burst_log import BurstLog
 from kvstream.threadsafe import LoopThread
 from kvstream.wire.vllm_zmq import (
     DEFAULT_MAX_QUEUE_SIZE,

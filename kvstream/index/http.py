@@ -30,10 +30,10 @@ from urllib.parse import unquote
 
 import orjson
 
+from kvstream.burst_log import BurstLog
 from kvstream.errors import ClosedError, ConfigError
 from kvstream.index.prefix import PrefixIndex, PrefixMatch
 from kvstream.lifetime import TaskOwner
-from kvstream.sinks.burst_log import BurstLog
 from kvstream.wire.http import HttpLimits, HttpServer, HttpServerStatistics, Request, Response
 
 __all__ = ["QueryServer"]

@@ -24,9 +24,9 @@ from typing import Final, Literal, get_args
 import anyio
 import anyio.abc
 
+from kvstream.burst_log import BurstLog
 from kvstream.codecs.base import Codec
 from kvstream.events import EventBatch, KVCacheEvent
-from kvstream.sinks.burst_log import BurstLog
 from kvstream.sinks.encoding import held_bytes
 from kvstream.sinks.replay_ring import Fifo, ReplayRing
 from kvstream.sinks.socket_subscription import RingEntry, Snapshot, SnapshotWait, Subscription

@@ -25,10 +25,10 @@ from typing import Any, Final, NamedTuple
 import anyio
 import anyio.lowlevel
 
+from kvstream.burst_log import BurstLog
 from kvstream.codecs.base import Codec
 from kvstream.errors import DecodeError
 from kvstream.events import EventBatch
-from kvstream.sinks.burst_log import BurstLog
 from kvstream.state import StateError, StateKeeper, StateLimitError
 from kvstream.wire.broker import snapshot_parts
 from kvstream.wire.zmq_recovery import (

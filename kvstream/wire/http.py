@@ -39,9 +39,10 @@ import h11
 from anyio.abc import SocketAttribute, SocketListener, SocketStream, TaskGroup
 from anyio.streams.stapled import MultiListener
 
+from kvstream.backoff import Backoff
+from kvstream.burst_log import BurstLog
 from kvstream.errors import ClosedError, ConfigError, TransportError
 from kvstream.lifetime import LifetimeState, TaskOwner
-from kvstream.sinks.burst_log import BurstLog
 from kvstream.wire.socket_security import bearer_authorized, check_listen_address
 
 __all__ = [
@@ -292,7 +293,7 @@ class HttpServer(TaskOwner):
                     tg.start_soon(self._accept, listener, tg)
 
     async def _accept(self, listener: SocketListener, tg: TaskGroup) -> None:
-        delay = 0.05
+        backoff = Backoff(0.05, 1.0, where=f"{self.name}: accept")
         while True:
             try:
                 stream = await listener.accept()
@@ -301,10 +302,9 @@ class HttpServer(TaskOwner):
             except OSError as exc:  # EMFILE and friends: back off, keep serving
                 self._accept_errors += 1
                 self._accept_log.log("%s: accept failed: %s; retrying", self.name, exc)
-                await anyio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                await backoff.wait()
                 continue
-            delay = 0.05
+            backoff.reset()
             tg.start_soon(self._connection, stream)
 
     def _admit(self) -> _Slot | None:

@@ -92,6 +92,7 @@ def _rows(data: dict[str, Any]) -> list[Row]:
                         )
                     )
         elif key == "http" and "in_process_p50_us" in value:
+            base = {"json": "in_process_p50_us", "binary": "in_process_bytes_p50_us"}
             for kind in ("json", "binary"):
                 p50 = value.get(f"http_{kind}_p50_us")
                 if p50 is None:
@@ -102,7 +103,7 @@ def _rows(data: dict[str, Any]) -> list[Row]:
                         f"HTTP /match, 8192 tokens, {kind} body",
                         f"{value.get('blocks_indexed', 0):,} blocks",
                         baseline="in process",
-                        ratio=p50 / value["in_process_p50_us"],
+                        ratio=p50 / value.get(base[kind], value["in_process_p50_us"]),
                         p50_us=p50,
                         note=f"+{value[f'http_{kind}_added_us']:.0f} µs over in process",
                     )

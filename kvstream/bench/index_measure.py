@@ -377,6 +377,7 @@ def bench_http(corpus: Corpus, queries: int) -> dict[str, Any]:
     """
     import anyio
     import orjson
+    from anyio.abc import SocketAttribute
 
     from kvstream.index.http import QueryServer
 
@@ -410,46 +411,117 @@ def bench_http(corpus: Corpus, queries: int) -> dict[str, Any]:
             lat.append(clock() - started)
         return _percentile(lat, 0.5)
 
+    async def measure(port: int, prefix: str) -> None:
+        stream = await anyio.connect_tcp("127.0.0.1", port)
+        async with stream:
+            buffer = bytearray()
+
+            async def round_trip(raw: bytes) -> None:
+                await stream.send(raw)
+                while True:
+                    end = buffer.find(b"\r\n\r\n")
+                    if end >= 0:
+                        head = bytes(buffer[:end]).lower()
+                        length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+                        if len(buffer) >= end + 4 + length:
+                            assert head.startswith(b"http/1.1 200"), head
+                            del buffer[: end + 4 + length]
+                            return
+                    buffer.extend(await stream.receive(1 << 20))
+
+            for name, reqs in (("json", json_requests), ("binary", binary_requests)):
+                for raw in reqs[:20]:  # warm-up
+                    await round_trip(raw)
+                p50s = []
+                for _ in range(3):
+                    lat = []
+                    for raw in reqs:
+                        started = clock()
+                        await round_trip(raw)
+                        lat.append(clock() - started)
+                    p50s.append(_percentile(lat, 0.5))
+                out[f"{prefix}_{name}_p50_us"] = 1e6 * _median(p50s)
+
+    answer = index.match(prompts[0])
+    canned = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+        % (len(body := orjson.dumps({"matches": [m._asdict() for m in answer]})), body)
+    )
+
+    async def echo(stream: Any) -> None:
+        """The transport's floor: the same bytes in and out, no HTTP, no index."""
+        async with stream:
+            pending = b""
+            while True:
+                while True:
+                    end = pending.find(b"\r\n\r\n")
+                    if end >= 0:
+                        head = pending[:end].lower()
+                        length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+                        if len(pending) >= end + 4 + length:
+                            pending = pending[end + 4 + length :]
+                            break
+                    try:
+                        pending += await stream.receive(65536)
+                    except anyio.EndOfStream:
+                        return
+                await stream.send(canned)
+
     async def run() -> None:
         async with QueryServer(index, port=0) as server:
-            stream = await anyio.connect_tcp("127.0.0.1", server.port)
-            async with stream:
-                buffer = bytearray()
-
-                async def round_trip(raw: bytes) -> None:
-                    await stream.send(raw)
-                    while True:
-                        end = buffer.find(b"\r\n\r\n")
-                        if end >= 0:
-                            head = bytes(buffer[:end]).lower()
-                            length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
-                            if len(buffer) >= end + 4 + length:
-                                assert head.startswith(b"http/1.1 200"), head
-                                del buffer[: end + 4 + length]
-                                return
-                        buffer.extend(await stream.receive(1 << 20))
-
-                for name, reqs in (("json", json_requests), ("binary", binary_requests)):
-                    for raw in reqs[:20]:  # warm-up
-                        await round_trip(raw)
-                    p50s = []
-                    for _ in range(3):
-                        lat = []
-                        for raw in reqs:
-                            started = clock()
-                            await round_trip(raw)
-                            lat.append(clock() - started)
-                        p50s.append(_percentile(lat, 0.5))
-                    out[f"http_{name}_p50_us"] = 1e6 * _median(p50s)
+            await measure(server.port, "http")
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        async with listener, anyio.create_task_group() as tg:
+            tg.start_soon(listener.serve, echo)
+            await measure(listener.extra(SocketAttribute.local_port), "echo")
+            tg.cancel_scope.cancel()
 
     anyio.run(run)
+    out["h11_cycle_us"] = 1e6 * _h11_cycle(binary_requests[0], canned)
+    out["orjson_loads_p50_us"] = 1e6 * _median(
+        [
+            _percentile(
+                _each(orjson.loads, [r.partition(b"\r\n\r\n")[2] for r in json_requests]), 0.5
+            )
+        ]
+    )
     out["in_process_p50_us"] = 1e6 * _median([in_process(False) for _ in range(3)])
     out["in_process_bytes_p50_us"] = 1e6 * _median([in_process(True) for _ in range(3)])
     # Each body over the in-process call it stands for: JSON over match(list[int]),
     # binary over match_bytes().
     out["http_json_added_us"] = out["http_json_p50_us"] - out["in_process_p50_us"]
     out["http_binary_added_us"] = out["http_binary_p50_us"] - out["in_process_bytes_p50_us"]
+    for name in ("json", "binary"):  # what the index's server adds over the bare transport
+        out[f"http_{name}_over_echo_us"] = out[f"http_{name}_p50_us"] - out[f"echo_{name}_p50_us"]
     return out
+
+
+def _each(fn: Callable[[Any], object], items: list[Any]) -> list[float]:
+    lat = []
+    for item in items:
+        started = clock()
+        fn(item)
+        lat.append(clock() - started)
+    return lat
+
+
+def _h11_cycle(raw: bytes, response: bytes, rounds: int = 500) -> float:
+    """Seconds h11 takes for one keep-alive request cycle, in memory: `raw` parsed into
+    its events, a response of `response`'s size sent back."""
+    import h11
+
+    conn = h11.Connection(h11.SERVER)
+    headers = [("Content-Type", "application/json"), ("Content-Length", str(len(response)))]
+    started = clock()
+    for _ in range(rounds):
+        conn.receive_data(raw)
+        while type(conn.next_event()) is not h11.EndOfMessage:
+            pass
+        conn.send(h11.Response(status_code=200, headers=headers, reason=b"OK"))
+        conn.send(h11.Data(data=response))
+        conn.send(h11.EndOfMessage())
+        conn.start_next_cycle()
+    return (clock() - started) / rounds
 
 
 #: the parts `--only` can name, in the order they run

@@ -172,6 +172,28 @@ async def test_a_body_in_pieces_is_read_whole_and_a_slow_one_gets_408() -> None:
         assert server.statistics().timeouts == 1
 
 
+async def test_the_handler_gets_the_body_as_bytes_whole_or_in_pieces() -> None:
+    seen: list[object] = []
+
+    async def keep(request: Request) -> Response:
+        seen.append(request.body)
+        return Response(200, b"ok")
+
+    head = b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 6\r\n\r\n"
+    async with (
+        HttpServer(keep, port=0) as server,
+        await anyio.connect_tcp("127.0.0.1", server.port) as stream,
+    ):
+        await stream.send(head + b"abcdef")  # one piece
+        assert await _read_response(stream) == (200, b"ok")
+        await stream.send(head + b"abc")
+        await anyio.sleep(0.05)
+        await stream.send(b"def")  # two
+        assert await _read_response(stream) == (200, b"ok")
+    assert seen == [b"abcdef", b"abcdef"]
+    assert [type(body) for body in seen] == [bytes, bytes]
+
+
 async def test_idle_connections_make_room_instead_of_locking_the_server_out() -> None:
     limits = HttpLimits(max_connections=4)
     async with HttpServer(_echo, port=0, limits=limits) as server:

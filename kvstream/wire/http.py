@@ -450,7 +450,7 @@ class HttpServer:
             method=event.method.decode("ascii"),
             target=event.target.decode("latin-1"),
             headers=headers,
-            body=parts[0] if len(parts) == 1 else b"".join(parts),
+            body=b"".join(parts),  # h11's pieces are bytearrays: one copy, to bytes
         )
 
     async def _next_event(

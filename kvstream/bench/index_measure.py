@@ -23,7 +23,10 @@ What is measured (block size 16, four origins, tokens below 32000):
 * **match, bytes API**: `PrefixIndex.match_bytes` on the same prompts as
   uint32 little-endian bytes; baseline: hashing those bytes alone.
 * **http**: `POST /match` round trips for 8k-token prompts (JSON and binary
-  bodies) over a kept-alive loopback connection, against the in-process call.
+  bodies) over a kept-alive loopback connection, against the in-process call
+  (`match()` for JSON, `match_bytes()` for binary); also, in the same run, a
+  bare anyio echo of the same bytes through the same client (the transport's
+  floor), h11's request cycle alone, and `orjson.loads` of the JSON body.
 * **memory**: bytes per block traced with `tracemalloc` while the index is
   built (events are made before tracing starts) and its lookup table made by a
   first match, for one origin on one tier, the same blocks on two tiers, and

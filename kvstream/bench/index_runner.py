@@ -108,6 +108,17 @@ def _rows(data: dict[str, Any]) -> list[Row]:
                         note=f"+{value[f'http_{kind}_added_us']:.0f} µs over in process",
                     )
                 )
+                echo = value.get(f"echo_{kind}_p50_us")
+                if echo is not None:  # the same bytes through a bare anyio echo server
+                    rows.append(
+                        Row(
+                            "index",
+                            f"HTTP /match floor: anyio echo of the {kind} request",
+                            baseline="",
+                            p50_us=echo,
+                            note="no HTTP, no index",
+                        )
+                    )
         elif key.startswith("memory_"):
             n = int(key.split("_", 1)[1])
             per = value.get("bytes_per_block_one_origin_one_tier")

@@ -66,6 +66,7 @@ from typing import Any, Final, Literal, NamedTuple
 import msgspec
 from msgspec.structs import force_setattr
 
+from kvstream._burst_log import BurstLog
 from kvstream._threadsafe import LoopThread
 from kvstream._wire.vllm_zmq import (
     DEFAULT_MAX_QUEUE_SIZE,
@@ -85,7 +86,6 @@ from kvstream.events import (
 )
 from kvstream.scheduler import Scheduler
 from kvstream.sinks.base import Sink
-from kvstream.sinks.burst_log import BurstLog
 
 __all__ = [
     "EventPublisher",

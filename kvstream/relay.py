@@ -51,6 +51,7 @@ from typing import Final, NamedTuple
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from kvstream._burst_log import BurstLogs
 from kvstream.consumers.base import Gap, Subscriber
 from kvstream.errors import ConfigError
 from kvstream.events import AllBlocksCleared, EventBatch, KVCacheEvent
@@ -70,6 +71,8 @@ DEFAULT_QUEUE_CHUNKS: Final = 64
 _DRAIN_TIMEOUT: Final = 5.0
 #: Seconds a stopping subscriber may take to finish a replay in flight.
 STOP_GRACE: Final = 2.0
+#: Seconds a burst of refused batches of one conflicting origin lasts: one error each.
+CONFLICT_BURST: Final = 10.0
 
 
 class RelayStatistics(NamedTuple):
@@ -174,7 +177,8 @@ class Relay:
         self._running = 0
         self._stopping = False
         self._ran = False
-        self._conflict_logged: set[str] = set()
+        #: One error per origin and burst of conflicting batches.
+        self._conflict_log: BurstLogs[str] = BurstLogs(log, CONFLICT_BURST, level=logging.ERROR)
         # counters
         self._batches_in = 0
         self._events_in = 0
@@ -307,16 +311,15 @@ class Relay:
             feed = self._open_feed(index, batch)
         elif feed.owner != index:
             self._conflicts += 1
-            if batch.origin not in self._conflict_logged:
-                self._conflict_logged.add(batch.origin)
-                log.error(
-                    "relay: %s and %s both carry origin %r; batches from %s refused "
-                    "(name the origins apart, e.g. ?origin=...)",
-                    self.names[feed.owner],
-                    self.names[index],
-                    batch.origin,
-                    self.names[index],
-                )
+            self._conflict_log.log(
+                batch.origin,
+                "relay: %s and %s both carry origin %r; batches from %s refused "
+                "(name the origins apart, e.g. ?origin=...)",
+                self.names[feed.owner],
+                self.names[index],
+                batch.origin,
+                self.names[index],
+            )
             return
         self._batches_in += 1
         self._events_in += len(batch.events)

@@ -130,6 +130,70 @@ async def test_a_slow_head_gets_408_while_others_are_served() -> None:
         assert server.statistics().timeouts == 1
 
 
+async def test_a_head_trickled_in_gets_408_however_steady_its_pace() -> None:
+    # The head's deadline runs from its first byte: a byte every 50 ms keeps each
+    # read short, and the head is still cut off.
+    limits = HttpLimits(head_timeout=0.3)
+    async with (
+        HttpServer(_echo, port=0, limits=limits) as server,
+        await anyio.connect_tcp("127.0.0.1", server.port) as slow,
+    ):
+        status = 0
+        with anyio.fail_after(10):
+            for byte in b"GET / HTTP/1.1\r\nHost: t\r\nX-Slow: " + b"a" * 1000:
+                try:
+                    await slow.send(bytes([byte]))
+                except (anyio.BrokenResourceError, OSError):
+                    break
+                await anyio.sleep(0.05)
+                if server.statistics().timeouts:
+                    break
+            status, body = await _read_response(slow)
+        assert status == 408
+        assert b"request head not complete" in body
+        assert server.statistics().timeouts == 1
+
+
+async def test_a_body_in_pieces_is_read_whole_and_a_slow_one_gets_408() -> None:
+    limits = HttpLimits(body_timeout=0.3)
+    head = b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 9000\r\n\r\n"
+    async with HttpServer(_echo, port=0, limits=limits) as server:
+        async with await anyio.connect_tcp("127.0.0.1", server.port) as stream:
+            await stream.send(head + b"a" * 1000)
+            for _ in range(8):
+                await anyio.sleep(0.01)
+                await stream.send(b"b" * 1000)
+            assert await _read_response(stream) == (200, b"POST /x 9000")
+        async with await anyio.connect_tcp("127.0.0.1", server.port) as slow:
+            await slow.send(head + b"a" * 100)  # and never the rest
+            status, body = await _read_response(slow)
+        assert status == 408
+        assert b"request body not complete" in body
+        assert server.statistics().timeouts == 1
+
+
+async def test_the_handler_gets_the_body_as_bytes_whole_or_in_pieces() -> None:
+    seen: list[object] = []
+
+    async def keep(request: Request) -> Response:
+        seen.append(request.body)
+        return Response(200, b"ok")
+
+    head = b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 6\r\n\r\n"
+    async with (
+        HttpServer(keep, port=0) as server,
+        await anyio.connect_tcp("127.0.0.1", server.port) as stream,
+    ):
+        await stream.send(head + b"abcdef")  # one piece
+        assert await _read_response(stream) == (200, b"ok")
+        await stream.send(head + b"abc")
+        await anyio.sleep(0.05)
+        await stream.send(b"def")  # two
+        assert await _read_response(stream) == (200, b"ok")
+    assert seen == [b"abcdef", b"abcdef"]
+    assert [type(body) for body in seen] == [bytes, bytes]
+
+
 async def test_idle_connections_make_room_instead_of_locking_the_server_out() -> None:
     limits = HttpLimits(max_connections=4)
     async with HttpServer(_echo, port=0, limits=limits) as server:

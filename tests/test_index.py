@@ -1075,9 +1075,42 @@ async def test_http_endpoint_over_a_real_socket(no_leaked_tasks: None) -> None:
         await anyio.connect_tcp("127.0.0.1", port)
 
 
+async def test_http_json_tokens_are_checked_in_one_pass_bools_refused_zeros_kept(
+    no_leaked_tasks: None,
+) -> None:
+    # The JSON path converts the tokens once (refusing anything but integers in
+    # [0, 2**64), the partial last block too) and looks for bools only among the
+    # tokens converted to 0 or 1: real zeros and ones must still match.
+    index = PrefixIndex(block_size=B)
+    zeros = [0, 1, 1, 0, 1, 0, 0, 1]
+    wide = [2**40 + 7, 5, 2**33, 1, 9, 8, 7, 6]
+    Feed(index, "a")(_stored([1, 2], zeros), _stored([3, 4], wide))
+    async with QueryServer(index, port=0) as server:
+        for tokens in (zeros, wide, [*zeros, 0, 1]):
+            status, _, body = await _http(server.port, _post(orjson.dumps({"token_ids": tokens})))
+            assert status == 200, body
+            assert [(m["origin"], m["blocks"]) for m in body["matches"]] == [("a", 2)]
+            assert body["matches"][0]["blocks"] == index.match(tokens)[0].blocks
+        for payload, shown in (
+            (b'{"token_ids": [false, 1, 1, 0, 1, 0, 0, 1]}', "false"),
+            (b'{"token_ids": [0, 1, 1, 0, 1, 0, 0, 1, true]}', "true"),  # partial block
+            (b'{"token_ids": [0, 1, 1, 0, 1, 0, 0, 1, 1.5]}', "1.5"),
+            (b'{"token_ids": [0, 1, 1, 0, 1, 0, 0, 1, -1]}', "-1"),
+            # 2**64: orjson reads it as a float
+            (b'{"token_ids": [0, 1, 1, 0, 1, 0, 0, 18446744073709551616]}', "e+19"),
+            (b'{"token_ids": [0, 1, 1, 0, 1, 0, 0, null]}', "None"),
+        ):
+            status, _, body = await _http(server.port, _post(payload))
+            assert status == 400, payload
+            assert "token_ids" in body["error"], body
+            assert shown in body["error"], body
+
+
 class _BrokenIndex(PrefixIndex):
     def match(self, *args: Any, **kwargs: Any) -> list[PrefixMatch]:
         raise RuntimeError("a bug")
+
+    match_bytes = match  # the server's path for JSON token lists of 32-bit tokens
 
 
 async def test_http_a_failing_query_is_a_500_and_the_server_goes_on(

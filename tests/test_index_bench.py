@@ -22,13 +22,24 @@ def test_the_benchmark_functions_run_and_report_every_key() -> None:
         for kind in ("hit", "miss", "baseline_hash_only", "bytes_hit", "baseline_bytes_hash_only"):
             assert match[f"{tokens}_tokens_{kind}_p50_us"] >= 0
     http = bench.bench_http(corpus, 5)
-    assert set(http) >= {"in_process_p50_us", "http_json_p50_us", "http_binary_p50_us"}
+    assert set(http) >= {
+        "in_process_p50_us",
+        "in_process_bytes_p50_us",
+        "http_json_p50_us",
+        "http_binary_p50_us",
+        "echo_json_p50_us",
+        "echo_binary_p50_us",
+        "h11_cycle_us",
+        "orjson_loads_p50_us",
+    }
+    assert all(v > 0 for k, v in http.items() if k.endswith(("p50_us", "cycle_us")))
     apply = bench.bench_apply(corpus, 1)
     assert apply["block_events"] > corpus.blocks  # stores and placeholders
     rows = _rows({"match_2048": match, "http": http, "apply_2048": apply})
     names = [row.case for row in rows]
     assert "match 8192-token prompt (hit, bytes API)" in names
     assert "HTTP /match, 8192 tokens, binary body" in names
+    assert "HTTP /match floor: anyio echo of the binary request" in names
     assert "apply (blocks/s)" in names
 
 

@@ -266,6 +266,43 @@ def test_cli_state_is_saved_on_shutdown_and_loaded_at_start(tmp_path: Path) -> N
     assert b"index state: format" in done.stderr
 
 
+def test_cli_state_is_saved_periodically_while_it_runs(tmp_path: Path) -> None:
+    # Killed without a chance to save on shutdown: what a crash leaves is the last
+    # periodic save, which holds what had been applied by then.
+    tokens = list(range(100, 112))
+    stream = tmp_path / "kv.jsonl"
+    stored = BlockStored(
+        block_hashes=[1, 2, 3], parent_block_hash=None, token_ids=tokens, block_size=B
+    )
+    stream.write_bytes(
+        JsonCodec().encode(EventBatch(seq=0, ts=0.0, origin="a", epoch="e", events=[stored]))
+        + b"\n"
+    )
+    state = tmp_path / "index.state"
+    argv = [str(stream), "--block-size", str(B), "--state", str(state), "--save-interval", "0.2"]
+    proc, port = _start(argv)
+    try:
+        assert _matches(port, tokens, 1)[0]["blocks"] == 3
+
+        async def wait_for_a_save() -> PrefixIndex:
+            with anyio.fail_after(30):
+                while True:
+                    if state.exists():  # written to a temporary file, then renamed
+                        loaded = PrefixIndex(block_size=B)
+                        loaded.load(state.read_bytes())
+                        if loaded.match(tokens):
+                            return loaded
+                    await anyio.sleep(0.05)
+
+        saved = anyio.run(wait_for_a_save)
+        assert proc.poll() is None  # saved while running, not on shutdown
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+    assert [(m.origin, m.blocks) for m in saved.match(tokens)] == [("a", 3)]
+    assert saved.statistics().origins["a"].next_seq == 1
+
+
 async def test_http_binary_body_and_engine_hash_queries(no_leaked_tasks: None) -> None:
     index = PrefixIndex(block_size=B)
     tokens = list(range(100, 112))

@@ -253,7 +253,8 @@ def test_bench_measures_a_plugin_sink_url(tmp_path: Path) -> None:
 
 def test_a_codec_named_on_the_wire_comes_from_the_one_table() -> None:
     # The socket protocol's welcome and the brokers' codec header name codecs the
-    # way URLs do (kvstream.config.make_codec): same names, same refusal.
+    # way URLs do: same names, same refusal. Built by hand a reader knows kvstream's
+    # own codecs; through a URL it is given the registry's lookup (make_codec).
     from kvstream._wire.broker import PayloadDecoder
     from kvstream._wire.socket_protocol import ProtocolError, codec_by_name
     from kvstream.codecs.msgpack import MsgpackCodec
@@ -265,3 +266,9 @@ def test_a_codec_named_on_the_wire_comes_from_the_one_table() -> None:
         codec_by_name("zstd")
     with pytest.raises(DecodeError, match=r"unknown codec 'zstd'.*json, msgpack"):
         PayloadDecoder().codec("zstd")
+    zstd = Registry.builtin().with_codec("zstd", lambda opts: MsgpackCodec())
+    via_registry = PayloadDecoder(codecs=lambda name: make_codec(name, registry=zstd))
+    assert isinstance(via_registry.codec("zstd"), MsgpackCodec)
+    assert isinstance(
+        codec_by_name("zstd", lambda name: make_codec(name, registry=zstd)), MsgpackCodec
+    )

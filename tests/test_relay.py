@@ -7,6 +7,7 @@ as a real subprocess, so SIGTERM is a real signal.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import shutil
@@ -25,10 +26,15 @@ import pytest
 import vllm_wire as vllm
 import zmq
 
+import kvstream.relay as relay_module
 from kvstream._cli.main import main
 from kvstream.codecs.json import JsonCodec
+from kvstream.consumers.file import FileSubscriber
 from kvstream.events import AllBlocksCleared, BlockRemoved, EventBatch, KVCacheEvent
+from kvstream.relay import Relay, RelayStatistics
+from kvstream.scheduler import Scheduler
 from kvstream.sim import SimulatedEngine, check_consistency
+from kvstream.sinks.memory import MemorySink
 
 END = b"\xff" * 8
 
@@ -358,3 +364,51 @@ def test_publishers_connecting_to_one_bound_relay_endpoint_stay_apart(workdir: P
     summary = err.strip().splitlines()[-1]
     assert "0 upstream gap(s)" in summary
     assert "0 restart(s)" in summary
+
+
+async def _relay_conflicting_files(workdir: Path) -> RelayStatistics:
+    codec = JsonCodec()
+    paths = []
+    for name in ("one", "two"):
+        path = workdir / f"{name}.jsonl"
+        path.write_bytes(
+            b"".join(
+                codec.encode(
+                    EventBatch(
+                        seq=seq,
+                        ts=0.0,
+                        events=[BlockRemoved(block_hashes=[seq])],
+                        origin="a",
+                        epoch=name,
+                    )
+                )
+                for seq in range(3)
+            )
+        )
+        paths.append(path)
+    sink = MemorySink()
+    async with Scheduler(sinks=[sink]) as scheduler:
+        relay = Relay(scheduler, [FileSubscriber(p) for p in paths], names=["one", "two"])
+        await relay.run()
+    return relay.statistics()
+
+
+@pytest.mark.parametrize(("burst", "errors"), [(10.0, 1), (0.0, 3)])
+async def test_an_origin_two_upstreams_claim_is_logged_once_per_burst(
+    workdir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    burst: float,
+    errors: int,
+) -> None:
+    """The conflict was logged once per process; now once per burst (a burst can end)."""
+    monkeypatch.setattr(relay_module, "CONFLICT_BURST", burst)
+    caplog.set_level(logging.DEBUG, logger="kvstream.relay")
+    stats = await _relay_conflicting_files(workdir)
+    assert stats.conflicts == 3  # every refused batch is counted
+    logged = [
+        r
+        for r in caplog.records
+        if r.levelno == logging.ERROR and "both carry origin" in r.getMessage()
+    ]
+    assert len(logged) == errors  # the rest of a burst goes to DEBUG

@@ -281,6 +281,20 @@ def test_sink_and_subscriber_urls() -> None:
     assert open_subscriber("zmq+tcp://h:5557").publishers[0].origin_name == "h:5557"  # type: ignore[attr-defined]
 
 
+def test_a_per_origin_from_seq_covers_the_publisher_through_the_star() -> None:
+    """`"*"` stands for every origin not named, the ZMQ publisher's too (it was ignored)."""
+    others = kvstream.subscribe("zmq+tcp://127.0.0.1:5557?origin=a", from_seq={"*": 4, "b": 1})
+    assert others.publishers[0].from_seq == 4  # type: ignore[attr-defined]
+    unnamed = kvstream.subscribe("zmq+tcp://h:5557", from_seq={"h:5557": 2, "*": 9})
+    assert unnamed.publishers[0].from_seq == 2  # type: ignore[attr-defined]
+    missing = kvstream.subscribe("zmq+tcp://127.0.0.1:5557?origin=a", from_seq={"b": 1})
+    assert missing.publishers[0].from_seq is None  # type: ignore[attr-defined]
+    with pytest.raises(
+        ConfigError, match=r"zmq\+tcp://127.0.0.1:5557: from_seq: .*got entry 'a': -1"
+    ):
+        kvstream.subscribe("zmq+tcp://127.0.0.1:5557", from_seq={"a": -1})
+
+
 def test_sink_from_kv_events_config() -> None:
     sink = ZmqSink.from_kv_events_config(
         '{"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "buffer_steps": 5}',

@@ -92,6 +92,7 @@ def _rows(data: dict[str, Any]) -> list[Row]:
                         )
                     )
         elif key == "http" and "in_process_p50_us" in value:
+            base = {"json": "in_process_p50_us", "binary": "in_process_bytes_p50_us"}
             for kind in ("json", "binary"):
                 p50 = value.get(f"http_{kind}_p50_us")
                 if p50 is None:
@@ -102,11 +103,22 @@ def _rows(data: dict[str, Any]) -> list[Row]:
                         f"HTTP /match, 8192 tokens, {kind} body",
                         f"{value.get('blocks_indexed', 0):,} blocks",
                         baseline="in process",
-                        ratio=p50 / value["in_process_p50_us"],
+                        ratio=p50 / value.get(base[kind], value["in_process_p50_us"]),
                         p50_us=p50,
                         note=f"+{value[f'http_{kind}_added_us']:.0f} µs over in process",
                     )
                 )
+                echo = value.get(f"echo_{kind}_p50_us")
+                if echo is not None:  # the same bytes through a bare anyio echo server
+                    rows.append(
+                        Row(
+                            "index",
+                            f"HTTP /match floor: anyio echo of the {kind} request",
+                            baseline="",
+                            p50_us=echo,
+                            note="no HTTP, no index",
+                        )
+                    )
         elif key.startswith("memory_"):
             n = int(key.split("_", 1)[1])
             per = value.get("bytes_per_block_one_origin_one_tier")

@@ -22,6 +22,7 @@ from typing import Final
 
 import anyio
 
+from kvstream._backoff import Backoff
 from kvstream._wire.vllm_zmq import should_bind
 from kvstream.codecs.json import JsonCodec
 from kvstream.consumers.base import Subscriber
@@ -56,9 +57,9 @@ async def open_upstream(
     refused (its cause is a kvstream error); any other error, and every failure
     when `retry` is false, propagates.
     """
-    attempt = 0
+    backoff = Backoff(initial, maximum, where=f"kvstream {command}: retry")
     while True:
-        attempt += 1
+        attempt = backoff.failures + 1
         sub = make()
         stack = AsyncExitStack()
         try:
@@ -68,7 +69,7 @@ async def open_upstream(
             # ahead) will refuse again: only an unreachable upstream is retried.
             if not retry or isinstance(exc.__cause__, KVStreamError):
                 raise
-            delay = min(initial * 2 ** (attempt - 1), maximum)
+            delay = backoff.next_delay()
             if attempt == 1:
                 print(
                     f"kvstream {command}: {exc}; retrying with backoff "

@@ -59,24 +59,23 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import re
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
-from urllib.parse import quote, unquote, urlsplit
+from typing import Any, Final, NamedTuple
+from urllib.parse import quote, unquote
 
 import anyio
 import anyio.abc
 import anyio.lowlevel
 import orjson
 
+from kvstream._burst_log import BurstLogs
+from kvstream._wire.codec_names import CodecByName, builtin_codec
 from kvstream.codecs.base import Codec
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ConfigError, DecodeError, KVStreamError
 from kvstream.events import BlockStored, EventBatch, KVCacheEvent
-
-if TYPE_CHECKING:
-    from kvstream.config import Options
-
 from kvstream.state import Snapshot, SnapshotSchedule, StateError, StateKeeper, StateLimitError
 
 __all__ = [
@@ -100,15 +99,12 @@ __all__ = [
     "SNAPSHOT_SUBJECT_PREFIX",
     "SUBJECT_PREFIX",
     "BatchKey",
-    "FromSeq",
     "Heartbeat",
     "Heartbeats",
     "PayloadDecoder",
     "SinkSnapshots",
     "SnapshotInfo",
-    "check_from_seq",
     "check_subject",
-    "client_url",
     "default_subject",
     "heartbeat_subject",
     "key_from_fields",
@@ -123,21 +119,16 @@ __all__ = [
     "redis_position",
     "redis_snapshot_index",
     "redis_snapshot_key",
-    "sink_snapshot_options",
     "snapshot_envelope",
     "snapshot_key",
     "snapshot_parts",
     "snapshot_subjects",
-    "start_seq",
     "subject_covers",
     "subject_token",
 ]
 
 #: `(origin, epoch, seq)`: a batch's name for ever.
 BatchKey = tuple[str, str, int]
-#: Where a reader starts: None (live batches only), a seq for every origin, or
-#: `{origin: seq}` with `"*"` for the others (as `kvstream.subscribe`).
-FromSeq = int | Mapping[str, int] | None
 
 HEADER_ORIGIN: Final = "Kv-Origin"
 HEADER_EPOCH: Final = "Kv-Epoch"
@@ -315,11 +306,14 @@ class PayloadDecoder:
     reads a stream written with several codecs), falling back to `default`
     when the message names none. A payload that carries its own name (JSON
     lines) must agree with the headers; one that does not (vLLM's msgpack) gets
-    the headers' name. Everything wrong is a [`DecodeError`][kvstream.errors.DecodeError].
+    the headers' name. `codecs` finds a codec by name (default: kvstream's own,
+    see `kvstream._wire.codec_names`). Everything wrong is a
+    [`DecodeError`][kvstream.errors.DecodeError].
     """
 
-    def __init__(self, default: Codec | None = None) -> None:
+    def __init__(self, default: Codec | None = None, codecs: CodecByName | None = None) -> None:
         self.default: Codec = default if default is not None else JsonCodec()
+        self._by_name: CodecByName = codecs if codecs is not None else builtin_codec
         self._codecs: dict[str, Codec] = {self.default.name: self.default}
 
     def codec(self, name: str | None) -> Codec:
@@ -328,10 +322,8 @@ class PayloadDecoder:
             return self.default
         codec = self._codecs.get(name)
         if codec is None:
-            from kvstream.config import make_codec  # the one table of codec names
-
             try:
-                codec = make_codec(name)
+                codec = self._by_name(name)
             except ConfigError as exc:
                 raise DecodeError(str(exc)) from None
             self._codecs[name] = codec
@@ -383,48 +375,6 @@ class PayloadDecoder:
             f"payload names batch {batch.origin}/{batch.epoch} seq {batch.seq} "
             f"but its headers name {origin}/{epoch} seq {seq}"
         )
-
-
-def client_url(raw: str, scheme: str, default_port: int) -> str:
-    """`scheme://[userinfo@]host:port` of a sink/source URL: what a client connects to.
-
-    The path (subject or stream) and the query (kvstream's options) are left out;
-    credentials stay (they are never shown in messages).
-    """
-    parts = urlsplit(raw.partition("?")[0])
-    netloc = parts.netloc or f"127.0.0.1:{default_port}"
-    return f"{scheme}://{netloc}"
-
-
-# -- where a reader starts ----------------------------------------------------------
-
-
-def check_from_seq(from_seq: object, where: str) -> FromSeq:
-    """Return `from_seq` if it is a valid `FromSeq`, else raise ConfigError."""
-    if from_seq is None:
-        return None
-    if type(from_seq) is int and from_seq >= 0:
-        return from_seq
-    if isinstance(from_seq, Mapping) and all(
-        type(k) is str and k and type(v) is int and v >= 0 for k, v in from_seq.items()
-    ):
-        return from_seq
-    raise ConfigError(
-        f"{where}: from_seq: expected an int >= 0, {{origin: seq >= 0}} or None, got {from_seq!r}"
-    )
-
-
-def start_seq(from_seq: FromSeq, origin: str) -> int | None:
-    """The first seq of `origin` a reader wants (None: no lower bound).
-
-    A broker keeps history, so a reader that asks for `from_seq` reads the
-    stream from its start and skips, in the first epoch it sees of each
-    origin, the batches below this number.
-    """
-    if from_seq is None or isinstance(from_seq, int):
-        return from_seq
-    n = from_seq.get(origin)
-    return from_seq.get("*") if n is None else n
 
 
 # -- snapshots --------------------------------------------------------------------
@@ -674,7 +624,7 @@ class SinkSnapshots:
         self.keeper = StateKeeper(max_bytes=max_bytes)
         self.schedule = SnapshotSchedule(every, interval, clock=clock)
         self._positions: dict[str, str] = {}
-        self._warned: set[str] = set()
+        self._unknown_log: BurstLogs[str] = BurstLogs(log, math.inf)
         #: Snapshots published, and publications that failed (tried again when next due).
         self.published = 0
         self.failed = 0
@@ -694,11 +644,9 @@ class SinkSnapshots:
         try:
             snap = self.keeper.snapshot_header(origin)
         except StateError as exc:
-            if origin not in self._warned:
-                self._warned.add(origin)
-                log.warning("%s: cannot publish a snapshot: %s", self.where, exc)
+            self._unknown_log.log(origin, "%s: cannot publish a snapshot: %s", self.where, exc)
             return None
-        self._warned.discard(origin)
+        self._unknown_log.clear(origin)
         return snap, self._positions[origin]
 
     async def encode(self, origin: str) -> tuple[Snapshot, str, list[bytes]] | None:
@@ -795,20 +743,3 @@ class Heartbeats:
                     self.sent += 1
                 except Exception as exc:  # the next beat tries again; batches report outages
                     log.debug("%s: heartbeat failed: %s", self.where, exc)
-
-
-def sink_snapshot_options(opts: Options) -> dict[str, Any]:
-    """The snapshot and heartbeat options of a broker sink URL, as keyword arguments.
-
-    `snapshot_every` (batches), `snapshot_interval` (seconds),
-    `snapshot_max_bytes` and `heartbeat` (seconds).
-    """
-    out: dict[str, Any] = {
-        "snapshot_every": opts.pop_int("snapshot_every", minimum=1),
-        "snapshot_interval": opts.pop_float("snapshot_interval"),
-        "heartbeat": opts.pop_float("heartbeat"),
-    }
-    max_bytes = opts.pop_int("snapshot_max_bytes", minimum=1)
-    if max_bytes is not None:
-        out["snapshot_max_bytes"] = max_bytes
-    return out

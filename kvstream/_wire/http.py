@@ -39,10 +39,11 @@ import h11
 from anyio.abc import SocketAttribute, SocketListener, SocketStream, TaskGroup
 from anyio.streams.stapled import MultiListener
 
+from kvstream._backoff import Backoff
+from kvstream._burst_log import BurstLog
 from kvstream._wire.socket_security import bearer_authorized, check_listen_address
 from kvstream.errors import ClosedError, ConfigError, TransportError
 from kvstream.lifetime import LifetimeState, TaskOwner
-from kvstream.sinks.burst_log import BurstLog
 
 __all__ = [
     "ErrorFormat",
@@ -292,7 +293,7 @@ class HttpServer(TaskOwner):
                     tg.start_soon(self._accept, listener, tg)
 
     async def _accept(self, listener: SocketListener, tg: TaskGroup) -> None:
-        delay = 0.05
+        backoff = Backoff(0.05, 1.0, where=f"{self.name}: accept")
         while True:
             try:
                 stream = await listener.accept()
@@ -301,10 +302,9 @@ class HttpServer(TaskOwner):
             except OSError as exc:  # EMFILE and friends: back off, keep serving
                 self._accept_errors += 1
                 self._accept_log.log("%s: accept failed: %s; retrying", self.name, exc)
-                await anyio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                await backoff.wait()
                 continue
-            delay = 0.05
+            backoff.reset()
             tg.start_soon(self._connection, stream)
 
     def _admit(self) -> _Slot | None:
@@ -388,10 +388,12 @@ class HttpServer(TaskOwner):
         fed = [len(first) + len(conn.trailing_data[0])]
         if first:
             conn.receive_data(first)
-        with anyio.move_on_after(limits.head_timeout) as head_deadline:
-            event = await self._next_event(stream, conn, fed)
+        # Deadlines, not scopes around each phase: a request that has arrived whole
+        # (the usual one) is read without entering a cancel scope at all.
+        head_deadline = anyio.current_time() + limits.head_timeout
+        event = await self._next_event(stream, conn, head_deadline, fed)
         slot.in_head = False  # past its head: no longer taken over
-        if head_deadline.cancelled_caught:
+        if event is None:
             self._timeouts += 1
             raise _Refusal(408, f"request head not complete within {limits.head_timeout} s")
         # h11 bounds only a head that arrives in pieces; one that arrived whole is
@@ -410,24 +412,26 @@ class HttpServer(TaskOwner):
             raise _Refusal(
                 413, f"request body of {length} bytes exceeds the limit of {limits.body_bytes}"
             )
-        body = bytearray()
-        with anyio.move_on_after(limits.body_timeout) as body_deadline:
-            while True:
-                part = await self._next_event(stream, conn)
-                if isinstance(part, h11.Data):
-                    body += part.data
-                    if len(body) > limits.body_bytes:
-                        self._too_large += 1
-                        raise _Refusal(
-                            413, f"request body exceeds the limit of {limits.body_bytes} bytes"
-                        )
-                elif isinstance(part, h11.EndOfMessage):
-                    break
-                else:
-                    raise _Refusal(400, "connection closed mid-body")
-        if body_deadline.cancelled_caught:
-            self._timeouts += 1
-            raise _Refusal(408, f"request body not complete within {limits.body_timeout} s")
+        body_deadline = anyio.current_time() + limits.body_timeout
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            part = await self._next_event(stream, conn, body_deadline)
+            if type(part) is h11.Data:
+                parts.append(part.data)
+                size += len(part.data)
+                if size > limits.body_bytes:
+                    self._too_large += 1
+                    raise _Refusal(
+                        413, f"request body exceeds the limit of {limits.body_bytes} bytes"
+                    )
+            elif type(part) is h11.EndOfMessage:
+                break
+            elif part is None:
+                self._timeouts += 1
+                raise _Refusal(408, f"request body not complete within {limits.body_timeout} s")
+            else:
+                raise _Refusal(400, "connection closed mid-body")
         if not bearer_authorized(headers.get("authorization"), self._token):
             self._unauthorized += 1
             raise _Refusal(401, "missing or wrong bearer token")
@@ -435,12 +439,17 @@ class HttpServer(TaskOwner):
             method=event.method.decode("ascii"),
             target=event.target.decode("latin-1"),
             headers=headers,
-            body=bytes(body),
+            body=b"".join(parts),  # h11's pieces are bytearrays: one copy, to bytes
         )
 
     async def _next_event(
-        self, stream: SocketStream, conn: h11.Connection, fed: list[int] | None = None
+        self,
+        stream: SocketStream,
+        conn: h11.Connection,
+        deadline: float,
+        fed: list[int] | None = None,
     ) -> object:
+        """h11's next event, reading as needed until `deadline`; None when it passed."""
         while True:
             try:
                 event = conn.next_event()
@@ -451,10 +460,13 @@ class HttpServer(TaskOwner):
                 raise _Refusal(status, f"malformed request: {exc}") from None
             if event is not h11.NEED_DATA:
                 return event
-            try:
-                data = await stream.receive(_RECEIVE)
-            except anyio.EndOfStream:
-                data = b""
+            with anyio.CancelScope(deadline=deadline) as waiting:
+                try:
+                    data = await stream.receive(_RECEIVE)
+                except anyio.EndOfStream:
+                    data = b""
+            if waiting.cancelled_caught:
+                return None
             if fed is not None:
                 fed[0] += len(data)
             conn.receive_data(data)

@@ -85,6 +85,8 @@ import msgspec
 import orjson
 
 from kvstream._wire.broker import Heartbeat
+from kvstream._wire.codec_names import CodecByName, builtin_codec
+from kvstream._wire.from_seq import ANY_ORIGIN, FromSeq, start_seq
 from kvstream.codecs.base import Codec
 from kvstream.codecs.json import JsonCodec, json_default
 from kvstream.errors import ConfigError, DecodeError, shorten
@@ -100,7 +102,6 @@ __all__ = [
     "SNAPSHOT_PART_EVENTS",
     "BatchMessage",
     "ControlMessage",
-    "FromSeq",
     "Hello",
     "MessageReader",
     "OriginInfo",
@@ -166,9 +167,6 @@ class ProtocolError(DecodeError):
 
 # -- the hello ------------------------------------------------------------------------
 
-#: What `from_seq` / `epoch` may be: one value for every origin, or per origin.
-FromSeq: TypeAlias = int | Mapping[str, int] | None
-
 
 class Hello(NamedTuple):
     """A subscriber's validated hello line."""
@@ -184,11 +182,7 @@ class Hello(NamedTuple):
 
     def start_for(self, origin: str) -> int | None:
         """The seq `origin` is asked from, or None for live only."""
-        f = self.from_seq
-        if f is None or isinstance(f, int):
-            return f
-        n = f.get(origin)
-        return f.get("*") if n is None else n
+        return start_seq(self.from_seq, origin)
 
     def epoch_for(self, origin: str) -> str | None:
         """The epoch the subscriber's seq for `origin` counts in, if it said."""
@@ -202,7 +196,7 @@ class Hello(NamedTuple):
         names: list[str] = []
         for part in (self.from_seq, self.epoch):
             if isinstance(part, dict):
-                names.extend(k for k in part if k != "*")
+                names.extend(k for k in part if k != ANY_ORIGIN)
         return names
 
 
@@ -420,12 +414,10 @@ def parse_welcome(obj: Mapping[str, Any]) -> Welcome:
     return Welcome(version, codec, framing, bool(obj.get("snapshot", False)), origins)
 
 
-def codec_by_name(name: str) -> Codec:
-    """The decoder for a codec the welcome names (`json`, `msgpack`, or a plug-in's)."""
-    from kvstream.config import make_codec  # the one table of codec names
-
+def codec_by_name(name: str, codecs: CodecByName = builtin_codec) -> Codec:
+    """The decoder for a codec the welcome names, found by `codecs`."""
     try:
-        return make_codec(name)
+        return codecs(name)
     except ConfigError as exc:
         raise ProtocolError(f"welcome.{exc}") from None
 

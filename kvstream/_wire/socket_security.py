@@ -18,12 +18,8 @@ import logging
 import os
 import ssl
 import stat
-from typing import TYPE_CHECKING
 
 from kvstream.errors import ConfigError
-
-if TYPE_CHECKING:
-    from kvstream.config import Options
 
 __all__ = [
     "bearer_authorized",
@@ -32,7 +28,6 @@ __all__ = [
     "is_loopback",
     "read_token",
     "server_ssl_context",
-    "token_from_options",
 ]
 
 log = logging.getLogger("kvstream.wire")
@@ -107,19 +102,6 @@ def read_token(*, env: str | None, file: str | None, where: str) -> str | None:
             raise ConfigError(f"{where}: token_file: {file}: expected at most 4096 characters")
         return value
     return None
-
-
-def token_from_options(opts: Options, where: str) -> str | None:
-    """The token a URL's `token_env=` or `token_file=` option names (see `read_token()`).
-
-    A `token=` option is refused: a secret in a URL is visible to other users.
-    """
-    if "token" in opts:
-        raise ConfigError(
-            f"{where}: option token: a secret in a URL is visible to other users "
-            "(ps, shell history, logs); use token_env=NAME or token_file=PATH"
-        )
-    return read_token(env=opts.pop_str("token_env"), file=opts.pop_str("token_file"), where=where)
 
 
 def server_ssl_context(cert: str, key: str | None, *, where: str) -> ssl.SSLContext:

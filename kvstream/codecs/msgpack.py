@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias, get_args
+from typing import Any, Final, Literal, TypeAlias, get_args
 
 import msgspec
 
@@ -86,16 +86,12 @@ from kvstream.events import (
 )
 from kvstream.media import MEDIA_POLICIES, MediaPolicy, canonical_medium
 
-if TYPE_CHECKING:
-    from kvstream.config import Options
-
 __all__ = [
     "STRICT_MEDIA",
     "MsgpackCodec",
     "Profile",
     "Refusal",
     "Strictness",
-    "codec_from_options",
 ]
 
 Profile: TypeAlias = Literal["map", "positional", "sglang", "sglang-positional", "llm-d-2025-12"]
@@ -508,27 +504,3 @@ def _normalized(e: KVCacheEvent) -> KVCacheEvent:
 
 _ENCODE: Final = msgspec.msgpack.Encoder().encode
 _DECODE_ANY: Final = msgspec.msgpack.Decoder().decode
-
-
-def codec_from_options(opts: Options) -> MsgpackCodec:
-    """The codec a URL's options describe (`kvstream.config`'s `_CODECS` entry).
-
-    `profile=map|positional|sglang|sglang-positional|llm-d-2025-12`,
-    `metadata=true|false`, `strict=refuse|convert|off`,
-    `strict_media=GPU,CPU,...`, `dialect=auto|vllm|sglang`,
-    `media=keep|normalize`.
-    """
-    profile = opts.pop_choice("profile", PROFILES, "map")
-    dialect = opts.pop_choice("dialect", DIALECTS, "auto")
-    media_policy = opts.pop_choice("media", MEDIA_POLICIES, "keep")
-    metadata = opts.pop_bool("metadata")
-    strict = opts.pop_choice("strict", ("off", *STRICTNESS), "off")
-    media = opts.pop_str("strict_media")
-    return MsgpackCodec(
-        profile=profile,  # type: ignore[arg-type]
-        metadata=metadata,
-        strict=None if strict == "off" else strict,  # type: ignore[arg-type]
-        strict_media=None if media is None else [m.strip() for m in media.split(",") if m.strip()],
-        dialect=dialect,  # type: ignore[arg-type]
-        media=media_policy,  # type: ignore[arg-type]
-    )

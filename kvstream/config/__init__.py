@@ -12,7 +12,9 @@ Sink URLs (every one also takes `?policy=block|drop_oldest|drop_newest`,
 and `tcp://HOST:PORT`, `unix:PATH`, `zmq+tcp://...`, `zmq+ipc://...`,
 `nats://...`, `redis://...`. An option a sink does not know is an error
 that names it; so is a malformed value. Installed plug-ins add schemes and
-codecs through entry points (`kvstream.config._registry`).
+codecs through entry points (`kvstream.config._registry`). kvstream's own
+factories are in `kvstream.config._sinks`, `kvstream.config._subscribers` and
+`kvstream.config._codecs`; transport modules import nothing from here.
 
 Integrations are imported only when their scheme is used, so a missing extra
 says which `pip install 'kvstream-events[...]'` fixes it.
@@ -26,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from kvstream._wire.from_seq import FromSeq
 from kvstream.codecs.base import Codec
-from kvstream.codecs.json import JsonCodec
 from kvstream.config._registry import Registry
 from kvstream.consumers.base import Subscriber
 from kvstream.errors import ConfigError
@@ -253,9 +255,7 @@ def open_subscriber(url: str, *, registry: Registry | None = None, **kwargs: Any
     return sub
 
 
-def subscribe(
-    url: str, from_seq: int | Mapping[str, int] | None = None, **kwargs: Any
-) -> Subscriber:
+def subscribe(url: str, from_seq: FromSeq = None, **kwargs: Any) -> Subscriber:
     """A subscriber for any URL `open_subscriber()` knows, from `from_seq` on:
 
         async with kvstream.subscribe("tcp://127.0.0.1:5600", from_seq=0) as sub:
@@ -268,48 +268,3 @@ def subscribe(
     if from_seq is not None:
         kwargs["from_seq"] = from_seq
     return open_subscriber(url, **kwargs)
-
-
-# -- built-in factories -------------------------------------------------------------
-
-
-def _json_codec(opts: Options) -> Codec:
-    return JsonCodec(hashes_as_strings=opts.pop_bool("hash_strings"))
-
-
-def _file_sink(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink:
-    from kvstream.sinks.file import FileSink
-
-    if not parsed.path:
-        raise ConfigError(f"{parsed.raw}: expected a file path (file:PATH, or - for stdout)")
-    if "codec" not in common and "hash_strings" in opts:
-        common["codec"] = _json_codec(opts)
-    rotation: dict[str, Any] = {
-        "rotate_seconds": opts.pop_float("rotate_seconds"),
-        "keep": opts.pop_int("keep"),
-    }
-    if "rotate_bytes" in opts:
-        rotation["rotate_bytes"] = opts.pop_size("rotate_bytes", 0)
-    if "inline" in opts:
-        rotation["inline"] = opts.pop_bool("inline", True)
-    try:
-        return FileSink(parsed.path, **rotation, **common)
-    except ConfigError as exc:
-        raise ConfigError(f"{parsed.raw}: {exc}") from None
-
-
-def _memory_sink(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink:
-    from kvstream.sinks.memory import MemorySink
-
-    common.setdefault("codec", None)
-    return MemorySink(delay=opts.pop_float("delay", 0.0) or 0.0, **common)
-
-
-def _file_subscriber(parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]) -> Subscriber:
-    from kvstream.consumers.file import FileSubscriber
-
-    if parsed.path == "-":
-        raise ConfigError("reading from standard input is not supported; name a file")
-    follow = opts.pop_bool("follow", kwargs.pop("follow", False))
-    from_seq = opts.pop_int("from_seq", kwargs.pop("from_seq", None))
-    return FileSubscriber(parsed.path, follow=follow, from_seq=from_seq, **kwargs)

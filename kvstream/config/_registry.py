@@ -110,29 +110,30 @@ class _Entry:
         return factory  # type: ignore[no-any-return]
 
 
-# name -> "module:function", extra. Modules are imported only when their name is used.
+# name -> "module:function" (the factories in kvstream.config._sinks, .subscribers and .codecs),
+# and the extra its transport needs. A transport is imported only when its name is used.
 _BUILTIN_SINKS: Final = {
-    "file": _Entry("kvstream.config:_file_sink"),
-    "memory": _Entry("kvstream.config:_memory_sink"),
-    "zmq+tcp": _Entry("kvstream.sinks.zmq:sink_from_url", "zmq"),
-    "zmq+ipc": _Entry("kvstream.sinks.zmq:sink_from_url", "zmq"),
-    "nats": _Entry("kvstream.sinks.nats:sink_from_url", "nats"),
-    "redis": _Entry("kvstream.sinks.redis:sink_from_url", "redis"),
-    "tcp": _Entry("kvstream.sinks.socket:sink_from_url"),
-    "unix": _Entry("kvstream.sinks.socket:sink_from_url"),
+    "file": _Entry("kvstream.config._sinks:file_sink"),
+    "memory": _Entry("kvstream.config._sinks:memory_sink"),
+    "zmq+tcp": _Entry("kvstream.config._sinks:zmq_sink", "zmq"),
+    "zmq+ipc": _Entry("kvstream.config._sinks:zmq_sink", "zmq"),
+    "nats": _Entry("kvstream.config._sinks:nats_sink", "nats"),
+    "redis": _Entry("kvstream.config._sinks:redis_sink", "redis"),
+    "tcp": _Entry("kvstream.config._sinks:socket_sink"),
+    "unix": _Entry("kvstream.config._sinks:socket_sink"),
 }
 _BUILTIN_SUBSCRIBERS: Final = {
-    "file": _Entry("kvstream.config:_file_subscriber"),
-    "zmq+tcp": _Entry("kvstream.consumers.zmq:subscriber_from_url", "zmq"),
-    "zmq+ipc": _Entry("kvstream.consumers.zmq:subscriber_from_url", "zmq"),
-    "nats": _Entry("kvstream.consumers.nats:subscriber_from_url", "nats"),
-    "redis": _Entry("kvstream.consumers.redis:subscriber_from_url", "redis"),
-    "tcp": _Entry("kvstream.consumers.socket:subscriber_from_url"),
-    "unix": _Entry("kvstream.consumers.socket:subscriber_from_url"),
+    "file": _Entry("kvstream.config._subscribers:file_subscriber"),
+    "zmq+tcp": _Entry("kvstream.config._subscribers:zmq_subscriber", "zmq"),
+    "zmq+ipc": _Entry("kvstream.config._subscribers:zmq_subscriber", "zmq"),
+    "nats": _Entry("kvstream.config._subscribers:nats_subscriber", "nats"),
+    "redis": _Entry("kvstream.config._subscribers:redis_subscriber", "redis"),
+    "tcp": _Entry("kvstream.config._subscribers:socket_subscriber"),
+    "unix": _Entry("kvstream.config._subscribers:socket_subscriber"),
 }
 _BUILTIN_CODECS: Final = {
-    "json": _Entry("kvstream.config:_json_codec"),
-    "msgpack": _Entry("kvstream.codecs.msgpack:codec_from_options"),
+    "json": _Entry("kvstream.config._codecs:json_codec"),
+    "msgpack": _Entry("kvstream.config._codecs:msgpack_codec"),
 }
 
 # Entry points found per sys.path (reading them costs ~10 ms; open_sink runs often).

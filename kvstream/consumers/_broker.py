@@ -10,7 +10,7 @@ connect, fetch and acknowledge; the rest is written here once:
   repeats and reports gaps (`BrokerSubscriber._admit()`);
 * **backoff**: a failed read waits `retry_initial` seconds, doubling up to
   `retry_max`, and an outage is logged twice: when it starts and when
-  reading works again (`Backoff`);
+  reading works again (`Outage`, waiting by `kvstream._backoff.Backoff`);
 * **lifetime**: `async with` connects (a failure to start is raised as it
   is), iteration runs one reading generator, and `BrokerSubscriber.aclose()`
   ends that generator (so it can acknowledge what was handed over) and closes
@@ -44,20 +44,15 @@ import time
 from abc import abstractmethod
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, Generic, Self, TypedDict, TypeVar
+from typing import Any, Generic, Self, TypedDict, TypeVar
 
 import anyio
 import anyio.lowlevel
 
-from kvstream._wire.broker import (
-    FromSeq,
-    Heartbeat,
-    PayloadDecoder,
-    SnapshotInfo,
-    check_from_seq,
-    read_envelope,
-    start_seq,
-)
+from kvstream._backoff import Backoff
+from kvstream._wire.broker import Heartbeat, PayloadDecoder, SnapshotInfo, read_envelope
+from kvstream._wire.codec_names import CodecByName
+from kvstream._wire.from_seq import FromSeq, check_from_seq, start_seq
 from kvstream.codecs.base import Codec
 from kvstream.consumers.base import (
     Continuity,
@@ -74,10 +69,7 @@ from kvstream.consumers.socket import SnapshotBatch
 from kvstream.errors import ClosedError, DecodeError, KVStreamError
 from kvstream.events import EventBatch, KVCacheEvent
 
-if TYPE_CHECKING:
-    from kvstream.config import Options
-
-__all__ = ["Backoff", "BrokerSubscriber", "ReaderOptions", "as_snapshot_batch", "reader_options"]
+__all__ = ["BrokerSubscriber", "Outage", "ReaderOptions", "as_snapshot_batch"]
 
 log = logging.getLogger("kvstream.consumers")
 
@@ -96,41 +88,42 @@ class ReaderOptions(TypedDict, total=False):
     snapshots: bool | None
     heartbeats: bool
     on_liveness: Callable[[LivenessChange], object] | None
+    codecs: CodecByName | None
 
 
-class Backoff:
-    """Waits between failed attempts: `initial` seconds, doubling up to `maximum`.
+class Outage:
+    """One reading loop's retries: waits by a `Backoff`, logs an outage once.
 
     The first failure of an outage is logged at WARNING (`<where>: <error>;
     <retrying> with backoff`), the ones after it are only counted, and the
     first success after them logs how many attempts failed.
     """
 
-    __slots__ = ("delay", "failures", "initial", "maximum", "retrying", "where")
+    __slots__ = ("backoff", "retrying", "where")
 
-    def __init__(self, initial: float, maximum: float, where: str, retrying: str) -> None:
-        self.initial = initial
-        self.maximum = maximum
+    def __init__(self, backoff: Backoff, where: str, retrying: str) -> None:
+        self.backoff = backoff
         self.where = where
         self.retrying = retrying
-        self.delay = initial
-        #: Failed attempts since the last success.
-        self.failures = 0
+
+    @property
+    def failures(self) -> int:
+        """Failed attempts since the last success."""
+        return self.backoff.failures
 
     async def wait(self, exc: Exception) -> None:
         """Count the failure `exc` and sleep before the next attempt."""
-        if self.failures == 0:
+        if self.backoff.failures == 0:
             log.warning("%s: %s; %s with backoff", self.where, exc, self.retrying)
-        self.failures += 1
-        await anyio.sleep(self.delay)
-        self.delay = min(self.delay * 2, self.maximum)
+        await self.backoff.wait()
 
     def succeeded(self) -> None:
         """An attempt worked: the next failure starts a new outage."""
-        if self.failures:
-            log.warning("%s: reading again after %d failed attempts", self.where, self.failures)
-            self.failures = 0
-            self.delay = self.initial
+        if self.backoff.failures:
+            log.warning(
+                "%s: reading again after %d failed attempts", self.where, self.backoff.failures
+            )
+            self.backoff.reset()
 
 
 class BrokerSubscriber(Subscriber, Generic[ClientT]):
@@ -140,8 +133,9 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
     `url` is what the client connects to, `shown` the same without
     credentials (for messages). `follow=False` stops once the subscriber has
     caught up. `codec` decodes messages that do not name their codec
-    (default JSON). See the module doc for `from_seq`, `retry_initial` and
-    `retry_max`.
+    (default JSON); `codecs` finds the codec a message names (default:
+    kvstream's own; through a URL, the registry's). See the module doc for
+    `from_seq`, `retry_initial` and `retry_max`.
 
     A subclass connects in `_connect()` (setting `_client`), closes in
     `_disconnect()`, and reads in `_read()`, an async generator that
@@ -162,13 +156,15 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
         snapshots: bool | None = None,
         heartbeats: bool = False,
         on_liveness: Callable[[LivenessChange], object] | None = None,
+        codecs: CodecByName | None = None,
     ) -> None:
         self.url = url
         self.shown = shown
         self.follow = follow
         self.from_seq = check_from_seq(from_seq, shown)
-        self.decoder = PayloadDecoder(codec)
+        self.decoder = PayloadDecoder(codec, codecs)
         self.connect_timeout = connect_timeout
+        Backoff(retry_initial, retry_max, where=f"{shown}: retry")  # refuses bad values now
         self._retry_initial = retry_initial
         self._retry_max = retry_max
         self.tracker = SequenceTracker()
@@ -290,9 +286,10 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
     def _stopping(self) -> bool:
         return self._closed  # a call, so that type checkers do not assume it unchanged
 
-    def _backoff(self, retrying: str) -> Backoff:
-        """A fresh `Backoff` for one reading loop."""
-        return Backoff(self._retry_initial, self._retry_max, self.shown, retrying)
+    def _backoff(self, retrying: str) -> Outage:
+        """A fresh `Outage` for one reading loop."""
+        backoff = Backoff(self._retry_initial, self._retry_max, where=f"{self.shown}: retry")
+        return Outage(backoff, self.shown, retrying)
 
     # -- from a decoded batch to items --------------------------------------------------
 
@@ -419,25 +416,3 @@ def as_snapshot_batch(batch: EventBatch, first_missing: int) -> SnapshotBatch:
     assert isinstance(snap, SnapshotBatch)
     snap.first_missing = first_missing
     return snap
-
-
-def reader_options(opts: Options, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """`kwargs` with the URL options every broker subscriber takes.
-
-    `codec` (and that codec's own options), `follow`, `from_seq`,
-    `connect_timeout`, `snapshots` and `heartbeats`; a URL's value wins over
-    the caller's.
-    """
-    from kvstream.config import make_codec
-
-    codec_name = opts.pop_str("codec")
-    if codec_name is not None:
-        kwargs["codec"] = make_codec(codec_name, opts)
-    kwargs["follow"] = opts.pop_bool("follow", kwargs.pop("follow", True))
-    kwargs["from_seq"] = opts.pop_int("from_seq", kwargs.pop("from_seq", None))
-    timeout = opts.pop_float("connect_timeout", kwargs.pop("connect_timeout", 5.0))
-    kwargs["connect_timeout"] = timeout or 5.0
-    if "snapshots" in opts:
-        kwargs["snapshots"] = opts.pop_bool("snapshots")
-    kwargs["heartbeats"] = opts.pop_bool("heartbeats", kwargs.pop("heartbeats", False))
-    return kwargs

@@ -5,24 +5,28 @@ a `Subscriber`: an async context manager and an async iterator of
 `EventBatch` and `Gap` items, in order per origin. Gaps it could
 not repair are reported as [`Gap`][kvstream.consumers.base.Gap] items, never hidden.
 
-`SequenceTracker` is the one place the continuity rule is written:
+`continuity()` is the one place the continuity rule is written; every
+subscriber's `SequenceTracker`, the ZMQ subscriber's per-publisher streams and
+the prefix index (whose streams are `(origin, rank)`) classify by it:
 
 * the first batch of an `(origin, epoch)` starts it (a consumer that joins
   late starts where it joins, unless it asked for an earlier `from_seq`);
 * `seq == expected` is the next batch; `seq < expected` is a duplicate
   (dropped); `seq > expected` is a gap `[expected, seq)`;
 * a new epoch of an origin means the producer restarted: everything it held is
-  gone, and its `seq 0` is never mistaken for a duplicate.
+  gone, and its `seq 0` is never mistaken for a duplicate;
+* a reader that remembers the epochs a stream left (the index) calls a batch
+  of one of those `RETIRED`: late, from before the restart, dropped.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Container
 from enum import Enum
 from types import TracebackType
-from typing import Literal, NamedTuple, Self, TypeAlias
+from typing import Final, Literal, NamedTuple, Self, TypeAlias
 
 from kvstream.events import EventBatch
 
@@ -37,6 +41,7 @@ __all__ = [
     "SequenceTracker",
     "Subscriber",
     "SubscriberItem",
+    "continuity",
     "report_liveness",
 ]
 
@@ -64,6 +69,34 @@ class Continuity(Enum):
     NEW_EPOCH = "new_epoch"  # the origin restarted
     DUPLICATE = "duplicate"  # already seen: drop it
     GAP = "gap"  # batches are missing before this one
+    RETIRED = "retired"  # of an epoch the stream already left: drop it
+
+
+def continuity(
+    known: tuple[str, int] | None, epoch: str, seq: int, retired: Container[str] = ()
+) -> Continuity:
+    """Where batch `(epoch, seq)` stands against a stream at `known`.
+
+    `known` is the stream's `(epoch, next expected seq)`, or None before its
+    first batch; `retired` holds the epochs it left, where a reader keeps them.
+    """
+    if known is None:
+        return _FIRST
+    current, expected = known
+    if epoch != current:
+        return _RETIRED if epoch in retired else _NEW_EPOCH
+    if seq == expected:
+        return _NEXT
+    return _DUPLICATE if seq < expected else _GAP
+
+
+# An enum member looked up on its class costs ~80 ns on CPython 3.11; a global ~10.
+_FIRST: Final = Continuity.FIRST
+_NEXT: Final = Continuity.NEXT
+_NEW_EPOCH: Final = Continuity.NEW_EPOCH
+_DUPLICATE: Final = Continuity.DUPLICATE
+_GAP: Final = Continuity.GAP
+_RETIRED: Final = Continuity.RETIRED
 
 
 class SequenceTracker:
@@ -94,24 +127,18 @@ class SequenceTracker:
         origin = batch.origin
         seq = batch.seq
         known = self._expected.get(origin)
-        if known is None:
-            self._expected[origin] = (batch.epoch, seq + 1)
-            return Continuity.FIRST, None
-        epoch, expected = known
-        if epoch != batch.epoch:
-            self._expected[origin] = (batch.epoch, seq + 1)
-            return Continuity.NEW_EPOCH, None
-        if seq == expected:
-            self._expected[origin] = (epoch, seq + 1)
-            return Continuity.NEXT, None
-        if seq < expected:
+        state = continuity(known, batch.epoch, seq)
+        if state is _DUPLICATE:
             self.duplicates += 1
-            return Continuity.DUPLICATE, None
-        gap = Gap(origin, epoch, expected, seq)
-        self.gaps += 1
-        self.missing += seq - expected
-        self._expected[origin] = (epoch, seq + 1)
-        return Continuity.GAP, gap
+            return state, None
+        self._expected[origin] = (batch.epoch, seq + 1)
+        if state is _GAP:
+            assert known is not None
+            expected = known[1]
+            self.gaps += 1
+            self.missing += seq - expected
+            return state, Gap(origin, batch.epoch, expected, seq)
+        return state, None
 
 
 class Subscriber(ABC):

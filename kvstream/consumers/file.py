@@ -9,6 +9,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 import anyio
 
+from kvstream._wire.from_seq import FromSeq, check_from_seq, start_seq
 from kvstream.codecs.json import JsonCodec
 from kvstream.consumers.base import Continuity, Gap, SequenceTracker, Subscriber, SubscriberItem
 from kvstream.errors import DecodeError, TransportError
@@ -26,9 +27,10 @@ class FileSubscriber(Subscriber):
     the file is replaced it finishes the old one, then reads the files a
     [`FileSink`][kvstream.sinks.file.FileSink] rotated in between (`events.000042.jsonl`,
     found by [`rotated_files()`][kvstream.sinks.rotation.rotated_files]), then the new one.
-    `from_seq` skips batches of the first epoch seen below that sequence
-    number. A line that does not decode is skipped, counted
-    in `bad_lines` and logged; it never stops the reader.
+    `from_seq` (an int, or `{origin: seq}` with `"*"` for the others) skips,
+    in the first epoch seen of each origin, the batches below that number.
+    A line that does not decode is skipped, counted in `bad_lines` and
+    logged; it never stops the reader.
     """
 
     def __init__(
@@ -36,13 +38,13 @@ class FileSubscriber(Subscriber):
         path: str | os.PathLike[str],
         *,
         follow: bool = False,
-        from_seq: int | None = None,
+        from_seq: FromSeq = None,
         poll_interval: float = 0.1,
         codec: JsonCodec | None = None,
     ) -> None:
         self.path = os.fspath(path)
         self.follow = follow
-        self.from_seq = from_seq
+        self.from_seq = check_from_seq(from_seq, "FileSubscriber")
         self.poll_interval = poll_interval
         self.codec = codec or JsonCodec()
         self.tracker = SequenceTracker()
@@ -114,12 +116,10 @@ class FileSubscriber(Subscriber):
                         self.bad_lines += 1
                         log.warning("%s line %d skipped: %s", self.path, lineno, exc)
                         continue
-                    if (
-                        self.from_seq is not None
-                        and batch.seq < self.from_seq
-                        and self.tracker.position(batch.origin) is None
-                    ):
-                        continue
+                    if self.from_seq is not None and self.tracker.position(batch.origin) is None:
+                        first = start_seq(self.from_seq, batch.origin)
+                        if first is not None and batch.seq < first:
+                            continue
                     state, gap = self.tracker.check(batch)
                     if state is Continuity.DUPLICATE:
                         continue

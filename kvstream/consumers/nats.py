@@ -52,13 +52,12 @@ from kvstream._wire.broker import (
     Heartbeat,
     SnapshotInfo,
     check_subject,
-    client_url,
     snapshot_subjects,
     subject_covers,
 )
 from kvstream._wire.broker_client import closed_on_error, shown_url
-from kvstream.consumers._broker import BrokerSubscriber, ReaderOptions, reader_options
-from kvstream.consumers.base import Subscriber, SubscriberItem
+from kvstream.consumers._broker import BrokerSubscriber, ReaderOptions
+from kvstream.consumers.base import SubscriberItem
 from kvstream.errors import ConfigError, DecodeError, KVStreamError, TransportError
 
 if TYPE_CHECKING:
@@ -66,9 +65,7 @@ if TYPE_CHECKING:
     from nats.aio.msg import Msg
     from nats.js.client import JetStreamContext
 
-    from kvstream.config import Options, ParsedURL
-
-__all__ = ["NatsSubscriber", "subscriber_from_url"]
+__all__ = ["NatsSubscriber"]
 
 log = logging.getLogger("kvstream.consumers")
 
@@ -480,28 +477,3 @@ class NatsSubscriber(BrokerSubscriber["Client"]):
                             log.debug(
                                 "%s: flush failed: %s", self.shown, nats_client.describe_error(exc)
                             )
-
-
-# -- URL factory (kvstream.config's _SUBSCRIBERS) -------------------------------------
-
-
-def subscriber_from_url(parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]) -> Subscriber:
-    """`nats://HOST:PORT[/SUBJECT]?durable=NAME&stream=...&deliver=...` -> NatsSubscriber."""
-    reader_options(opts, kwargs)
-    deliver = opts.pop_str("deliver")
-    if deliver is not None and deliver not in DELIVER:
-        raise ConfigError(
-            f"{parsed.raw}: option deliver: expected one of {', '.join(DELIVER)}, got {deliver!r}"
-        )
-    return NatsSubscriber(
-        client_url(parsed.raw, parsed.scheme, 4222),
-        subject=parsed.path or None,
-        stream=opts.pop_str("stream") or None,
-        durable=opts.pop_str("durable") or None,
-        deliver=deliver,  # type: ignore[arg-type]
-        fetch_batch=opts.pop_int("fetch_batch", 256, minimum=1) or 256,
-        poll_interval=opts.pop_float("poll_interval", 1.0) or 1.0,
-        ack_wait=opts.pop_float("ack_wait", 30.0) or 30.0,
-        snapshot_stream=opts.pop_str("snapshot_stream") or DEFAULT_SNAPSHOT_STREAM,
-        **kwargs,
-    )

@@ -47,7 +47,6 @@ from kvstream._wire.broker import (
     DEFAULT_REDIS_STREAM,
     Heartbeat,
     SnapshotInfo,
-    client_url,
     read_envelope,
     read_envelope_info,
     redis_heartbeats_key,
@@ -56,17 +55,15 @@ from kvstream._wire.broker import (
     redis_snapshot_key,
 )
 from kvstream._wire.broker_client import shown_url
-from kvstream.consumers._broker import BrokerSubscriber, ReaderOptions, reader_options
-from kvstream.consumers.base import Subscriber, SubscriberItem
+from kvstream.consumers._broker import BrokerSubscriber, ReaderOptions
+from kvstream.consumers.base import SubscriberItem
 from kvstream.errors import ConfigError, DecodeError, TransportError
 
 if TYPE_CHECKING:
     # Named only in a string (the base class's type argument), which ruff does not see.
     from redis.asyncio import Redis
 
-    from kvstream.config import Options, ParsedURL
-
-__all__ = ["RedisSubscriber", "subscriber_from_url"]
+__all__ = ["RedisSubscriber"]
 
 log = logging.getLogger("kvstream.consumers")
 
@@ -389,22 +386,3 @@ class RedisSubscriber(BrokerSubscriber["Redis"]):
 def _looks_like_id(text: str) -> bool:
     ms, sep, seq = text.partition("-")
     return ms.isdigit() and (not sep or seq.isdigit())
-
-
-# -- URL factory (kvstream.config's _SUBSCRIBERS) -------------------------------------
-
-
-def subscriber_from_url(parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]) -> Subscriber:
-    """`redis://HOST:PORT[/STREAM]?group=NAME&consumer=NAME&start=ID` -> RedisSubscriber."""
-    reader_options(opts, kwargs)
-    return RedisSubscriber(
-        client_url(parsed.raw, parsed.scheme, 6379),
-        stream=parsed.path or DEFAULT_REDIS_STREAM,
-        group=opts.pop_str("group") or None,
-        consumer=opts.pop_str("consumer") or None,
-        start=opts.pop_str("start") or None,
-        count=opts.pop_int("count", 256, minimum=1) or 256,
-        block=opts.pop_float("block", 1.0) or 1.0,
-        db=opts.pop_int("db", 0) or 0,
-        **kwargs,
-    )

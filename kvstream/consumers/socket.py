@@ -22,25 +22,28 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
-import random
 import socket
 import ssl
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Self
+from typing import ClassVar, NamedTuple, Self
 
 import anyio
 import anyio.abc
 from anyio.abc import SocketAttribute
 from anyio.streams.tls import TLSStream
 
+from kvstream._backoff import Backoff
+from kvstream._burst_log import BurstLog
+from kvstream._wire.codec_names import CodecByName, builtin_codec
+from kvstream._wire.from_seq import ANY_ORIGIN, FromSeq, check_from_seq, start_seq
 from kvstream._wire.socket_protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
     FATAL_ERRORS,
     BatchMessage,
     ControlMessage,
-    FromSeq,
     MessageReader,
     ProtocolError,
     SnapshotPart,
@@ -50,7 +53,6 @@ from kvstream._wire.socket_protocol import (
     parse_heartbeat,
     parse_welcome,
 )
-from kvstream._wire.socket_security import client_ssl_context, token_from_options
 from kvstream.consumers.base import (
     Continuity,
     Gap,
@@ -64,9 +66,6 @@ from kvstream.consumers.base import (
 )
 from kvstream.errors import ClosedError, ConfigError, DecodeError, TransportError
 from kvstream.events import EventBatch, KVCacheEvent
-
-if TYPE_CHECKING:
-    from kvstream.config import Options, ParsedURL
 
 __all__ = ["SnapshotBatch", "SocketSubscriber", "SocketSubscriberStatistics"]
 
@@ -155,6 +154,8 @@ class SocketSubscriber(Subscriber):
     offers one. `heartbeats=True` listens to the sink's heartbeats (a sink
     with `heartbeat=`): an origin heard from neither by batch nor heartbeat for
     two intervals is reported gone (`on_liveness`, the log, `liveness()`).
+    `codecs` finds the codec the sink's welcome names (default: kvstream's
+    own; through a URL, the registry's, plug-ins included).
     """
 
     def __init__(
@@ -175,6 +176,7 @@ class SocketSubscriber(Subscriber):
         snapshots: bool | None = None,
         heartbeats: bool = False,
         on_liveness: Callable[[LivenessChange], object] | None = None,
+        codecs: CodecByName = builtin_codec,
     ) -> None:
         if (path is None) == (port is None):
             raise ConfigError(
@@ -182,8 +184,7 @@ class SocketSubscriber(Subscriber):
             )
         if port is not None and (type(port) is not int or not 0 < port <= 65535):
             raise ConfigError(f"SocketSubscriber.port: expected an int in 1..65535, got {port!r}")
-        if from_seq is not None:
-            _check_from_seq(from_seq)
+        check_from_seq(from_seq, "SocketSubscriber")
         for what, value in (
             ("retry_initial", retry_initial),
             ("retry_max", retry_max),
@@ -202,6 +203,7 @@ class SocketSubscriber(Subscriber):
         self.max_message_bytes = max_message_bytes
         MessageReader(max_message_bytes)  # validates it now
         self._token = token
+        self._codecs = codecs
         self._ssl = ssl_context
         self._tls_hostname = tls_hostname
         self.tracker = SequenceTracker()
@@ -215,12 +217,13 @@ class SocketSubscriber(Subscriber):
         self._closed = False
         self._ended = False
         self._failures = 0
+        self._backoff = Backoff(self.retry_initial, self.retry_max, jitter=0.5)
         self._connections = 0
         self._restarts = 0
         self._snapshots = 0
         self._bad_messages = 0
-        self._bad_burst = False
-        self._warned = False
+        self._bad_log = BurstLog(log, math.inf)
+        self._outage_log = BurstLog(log, math.inf)
         #: Whether a cold start begins from snapshots the sink offers.
         self.snapshots = from_seq is None if snapshots is None else bool(snapshots)
         self._rejoin = False
@@ -320,15 +323,11 @@ class SocketSubscriber(Subscriber):
                 return
             except DecodeError as exc:
                 self._bad_messages += 1
-                if not self._bad_burst:  # once per burst; every one is counted
-                    self._bad_burst = True
-                    log.warning("%s: message skipped: %s", self.address, exc)
-                else:
-                    log.debug("%s: message skipped: %s", self.address, exc)
+                self._bad_log.log("%s: message skipped: %s", self.address, exc)  # all counted
                 continue
             if message is None:
                 return
-            self._bad_burst = False
+            self._bad_log.clear()
             if isinstance(message, BatchMessage):
                 self._on_batch(message.batch)
             elif isinstance(message, SnapshotPart):
@@ -465,7 +464,7 @@ class SocketSubscriber(Subscriber):
             )
         # Resume: every origin after the last batch seen; an origin not seen yet
         # appeared while we were away (the welcome named all the others): all of it.
-        from_seq: dict[str, int] = {"*": 0}
+        from_seq: dict[str, int] = {ANY_ORIGIN: 0}
         if isinstance(self.from_seq, Mapping):
             from_seq.update(self.from_seq)
         positions = self.tracker.origins()
@@ -515,7 +514,7 @@ class SocketSubscriber(Subscriber):
                     break
                 reader.feed(await stream.receive(_RECEIVE_BYTES))
             welcome = parse_welcome(raw[0])
-            reader.use(welcome.framing, codec_by_name(welcome.codec))
+            reader.use(welcome.framing, codec_by_name(welcome.codec, self._codecs))
         except BaseException:
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await stream.aclose()
@@ -528,8 +527,7 @@ class SocketSubscriber(Subscriber):
             if self.heartbeats:  # a sink that is not there is also silent
                 self._report(self.liveness_tracker.check())
             if self._failures:
-                delay = min(self.retry_initial * 2 ** (self._failures - 1), self.retry_max)
-                await anyio.sleep(delay * random.uniform(0.5, 1.0))
+                await self._backoff.wait()
                 if self.closed:
                     break
             try:
@@ -549,10 +547,10 @@ class SocketSubscriber(Subscriber):
                 with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                     await stream.aclose()
                 break
-            if self._warned:
+            if self._outage_log.clear():
                 log.warning("%s: subscribed again", self.address)
             self._failures = 0
-            self._warned = False
+            self._backoff.reset()
             self._connections += 1
             self._stream = stream
             self._reader = reader
@@ -569,11 +567,7 @@ class SocketSubscriber(Subscriber):
 
     def _failed(self, exc: BaseException) -> None:
         self._failures += 1
-        if not self._warned:
-            self._warned = True
-            log.warning("%s: cannot subscribe (%s); retrying", self.address, exc)
-        else:
-            log.debug("%s: cannot subscribe (%s); retrying", self.address, exc)
+        self._outage_log.log("%s: cannot subscribe (%s); retrying", self.address, exc)
 
     def _on_welcome(self, welcome: Welcome) -> None:
         self.welcome = welcome
@@ -587,7 +581,7 @@ class SocketSubscriber(Subscriber):
                 log.info("%s: starting from the sink's snapshots", self.address)
                 return
             for origin, info in welcome.origins.items():
-                n = _start_for(self.from_seq, origin)
+                n = start_seq(self.from_seq, origin)
                 if n is None:
                     if info.newest is not None:
                         tracker.expect(origin, info.epoch, info.newest + 1)
@@ -618,66 +612,3 @@ class SocketSubscriber(Subscriber):
             raise TransportError(f"{self.address}: {reason}") from exc
         log.info("%s: %s; reconnecting", self.address, reason)
         self._failures = max(self._failures, 1)
-
-
-def _check_from_seq(from_seq: object) -> None:
-    if type(from_seq) is int:
-        if from_seq < 0:
-            raise ConfigError(f"from_seq: expected an integer >= 0, got {from_seq}")
-        return
-    if isinstance(from_seq, Mapping):
-        for k, v in from_seq.items():
-            if type(k) is not str or not k or type(v) is not int or v < 0:
-                raise ConfigError(
-                    f"from_seq: expected {{origin: seq >= 0}}, got entry {k!r}: {v!r}"
-                )
-        return
-    raise ConfigError(f"from_seq: expected an int, a mapping or None, got {from_seq!r}")
-
-
-def _start_for(from_seq: FromSeq, origin: str) -> int | None:
-    if from_seq is None or isinstance(from_seq, int):
-        return from_seq
-    n = from_seq.get(origin)
-    return from_seq.get("*") if n is None else n
-
-
-def subscriber_from_url(
-    parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]
-) -> SocketSubscriber:
-    """`tcp://HOST:PORT` / `unix:PATH` -> a `SocketSubscriber` (kvstream.config)."""
-    where = parsed.raw.partition("?")[0]
-    token = token_from_options(opts, where)
-    if token is not None:
-        kwargs.setdefault("token", token)
-    ca = opts.pop_str("tls_ca")
-    use_tls = opts.pop_bool("tls", ca is not None)
-    if use_tls and "ssl_context" not in kwargs:
-        kwargs["ssl_context"] = client_ssl_context(ca, where=where)
-    hostname = opts.pop_str("tls_hostname")
-    if hostname is not None:
-        kwargs.setdefault("tls_hostname", hostname)
-    from_seq = opts.pop_int("from_seq")
-    if from_seq is not None:
-        kwargs.setdefault("from_seq", from_seq)
-    kwargs.setdefault("reconnect", opts.pop_bool("reconnect", True))
-    if "snapshots" in opts:
-        kwargs.setdefault("snapshots", opts.pop_bool("snapshots"))
-    kwargs["heartbeats"] = opts.pop_bool("heartbeats", kwargs.pop("heartbeats", False))
-    for key in ("retry_max", "connect_timeout"):
-        value = opts.pop_float(key)
-        if value is not None:
-            kwargs.setdefault(key, value)
-    if "max_message_bytes" in opts:
-        kwargs.setdefault(
-            "max_message_bytes", opts.pop_size("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
-        )
-    if "follow" in kwargs:
-        raise ConfigError(f"{where}: follow= is for files; a socket subscriber always follows")
-    if parsed.scheme == "unix":
-        if not parsed.path:
-            raise ConfigError(f"{where}: expected unix:PATH")
-        return SocketSubscriber(path=parsed.path, **kwargs)
-    if not parsed.port or parsed.path:
-        raise ConfigError(f"{where}: expected tcp://HOST:PORT")
-    return SocketSubscriber(host=parsed.host or None, port=parsed.port, **kwargs)

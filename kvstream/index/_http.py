@@ -24,17 +24,19 @@ HTTP layer is `kvstream._wire.http` (h11 under anyio, with its limits).
 from __future__ import annotations
 
 import logging
+from array import array
 from contextlib import AsyncExitStack
 from typing import Any, Final
 from urllib.parse import unquote
 
 import orjson
 
+from kvstream._burst_log import BurstLog
 from kvstream._wire.http import HttpLimits, HttpServer, HttpServerStatistics, Request, Response
 from kvstream.errors import ClosedError, ConfigError
+from kvstream.index._hashing import tokens_array
 from kvstream.index._prefix import PrefixIndex, PrefixMatch
 from kvstream.lifetime import TaskOwner
-from kvstream.sinks.burst_log import BurstLog
 
 __all__ = ["QueryServer"]
 
@@ -190,26 +192,11 @@ class QueryServer(TaskOwner):
                 raise _HttpError(
                     400, f"block_hashes: expected a list of 64-bit integers, got {_short(hashes)}"
                 )
+            converted = None
         elif type(tokens) is not list:
             raise _HttpError(400, f"token_ids: expected a list of integers, got {_short(tokens)}")
-        elif (
-            tokens
-            and (
-                b"true" in body
-                or b"false" in body
-                or any(  # the partial last block is not converted by match(): check it here
-                    type(t) is not int or not 0 <= t < 2**64
-                    for t in tokens[len(tokens) - len(tokens) % self.index.block_size :]
-                )
-            )
-        ):
-            # Only then can a token be a bool (floats and negatives are refused
-            # by the conversion in match()): check them one by one.
-            bad = next((t for t in tokens if type(t) is not int or not 0 <= t < 2**64), None)
-            if bad is not None:
-                raise _HttpError(
-                    400, f"token_ids: expected non-negative integers below 2**64, got {_short(bad)}"
-                )
+        else:
+            converted = _converted_tokens(tokens)
         lora = query.get("lora_name")
         if lora is not None and type(lora) is not str:
             raise _HttpError(400, f"lora_name: expected a string or null, got {_short(lora)}")
@@ -253,13 +240,24 @@ class QueryServer(TaskOwner):
                 blocks = len(hashes)
             else:
                 assert tokens is not None
-                matches = index.match(
-                    tokens,
-                    lora,
-                    extra_keys=extra,
-                    include_stale=include_stale,
-                    tier_weights=weights,
-                )
+                assert converted is not None
+                data, wide = converted
+                if wide:  # tokens of 32 bits or more: match() salts their blocks
+                    matches = index.match(
+                        tokens,
+                        lora,
+                        extra_keys=extra,
+                        include_stale=include_stale,
+                        tier_weights=weights,
+                    )
+                else:  # converted already: the bytes path does not convert again
+                    matches = index.match_bytes(
+                        memoryview(data).cast("B"),
+                        lora,
+                        extra_keys=extra,
+                        include_stale=include_stale,
+                        tier_weights=weights,
+                    )
                 blocks = len(tokens) // index.block_size
         except ConfigError as exc:
             raise _HttpError(400, str(exc)) from None
@@ -301,6 +299,29 @@ _MATCH_FIELDS: Final = frozenset(
         "tier_weights",
     }
 )
+
+
+def _converted_tokens(tokens: list[Any]) -> tuple[array[int], bool]:
+    """`tokens` converted as the hash needs them (`tokens_array()`: one C pass that
+    refuses anything but integers in `[0, 2**64)`, the partial last block too), and
+    refused if one is a JSON `true` or `false`, which that conversion takes for 1 or 0.
+
+    Only the tokens converted to 0 or 1 can be bools: a vectorized scan finds them,
+    so a prompt is not walked in Python.
+    """
+    import numpy as np
+
+    try:
+        data, wide = tokens_array(tokens)
+    except ConfigError as exc:
+        raise _HttpError(400, str(exc)) from None
+    for i in np.flatnonzero(np.frombuffer(data, dtype="<u4") <= 1).tolist():
+        if type(tokens[i]) is bool:
+            raise _HttpError(
+                400,
+                f"token_ids: expected non-negative integers below 2**64, got {_short(tokens[i])}",
+            )
+    return data, wide
 
 
 def _json_error(status: int, message: str) -> Response:

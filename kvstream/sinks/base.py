@@ -39,6 +39,7 @@ from typing import Any, Final, Literal, NamedTuple, TypeAlias, get_args
 import anyio
 from anyio.abc import TaskGroup
 
+from kvstream._backoff import Backoff
 from kvstream.codecs.base import Codec, Refusal
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ClosedError, ConfigError
@@ -175,8 +176,7 @@ class Sink(TaskOwner, ABC):
         TaskOwner.__init__(self)
         self.name = name or type(self).__name__
         self.close_timeout = close_timeout
-        self._retry_initial = retry_initial
-        self._retry_max = retry_max
+        self._backoff = Backoff(retry_initial, retry_max, where=f"{self.name}: retry")
         # A private encoding until a scheduler joins the sink to its group.
         self._encoding = SharedEncoding(codec)
         self._encoding.users = 1
@@ -569,7 +569,7 @@ class Sink(TaskOwner, ABC):
             self._writer_done.set()
 
     async def _deliver(self, items: list[tuple[bytes, EventBatch]]) -> None:
-        delay = self._retry_initial
+        backoff = self._backoff
         while True:
             if self._discarded:
                 self._discarded.clear()
@@ -590,8 +590,7 @@ class Sink(TaskOwner, ABC):
                         exc,
                     )
                 self._burst_errors += 1
-                await anyio.sleep(delay)
-                delay = min(delay * 2, self._retry_max)
+                await backoff.wait()
                 try:
                     await self.recover(exc)
                 except Exception as rexc:
@@ -599,6 +598,7 @@ class Sink(TaskOwner, ABC):
                 continue
             if not self._healthy:
                 self._healthy = True
+                backoff.reset()
                 log.warning(
                     "%s: send recovered after %d failed attempts", self.name, self._burst_errors
                 )

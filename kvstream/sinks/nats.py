@@ -50,13 +50,11 @@ from kvstream._wire.broker import (
     SinkSnapshots,
     SnapshotInfo,
     check_subject,
-    client_url,
     default_subject,
     heartbeat_subject,
     key_from_headers,
     nats_headers,
     nats_headers_size,
-    sink_snapshot_options,
     snapshot_envelope,
     snapshot_subjects,
 )
@@ -71,9 +69,7 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
     from nats.js.client import JetStreamContext
 
-    from kvstream.config import Options, ParsedURL
-
-__all__ = ["NatsSink", "sink_from_url"]
+__all__ = ["NatsSink"]
 
 log = logging.getLogger("kvstream.sinks")
 
@@ -458,28 +454,3 @@ class NatsSink(Sink):
             client, self._client, self._js = self._client, None, None
             with anyio.CancelScope(shield=True):
                 await nats_client.close_quietly(client)
-
-
-# -- URL factory (kvstream.config's _SINKS) -------------------------------------------
-
-
-def sink_from_url(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink:
-    """`nats://[USER:PASSWORD@]HOST:PORT[/SUBJECT]?stream=...&create=true` -> NatsSink."""
-    storage = opts.pop_str("storage")
-    if storage is not None and storage not in ("file", "memory"):
-        raise ConfigError(f"{parsed.raw}: option storage: expected file or memory, got {storage!r}")
-    return NatsSink(
-        client_url(parsed.raw, parsed.scheme, 4222),
-        snapshot_stream=opts.pop_str("snapshot_stream") or DEFAULT_SNAPSHOT_STREAM,
-        **sink_snapshot_options(opts),
-        subject=parsed.path or None,
-        stream=opts.pop_str("stream") or None,
-        create=opts.pop_bool("create"),
-        storage=storage,  # type: ignore[arg-type]
-        max_age=opts.pop_float("max_age"),
-        max_msgs=opts.pop_int("max_msgs", minimum=1),
-        duplicate_window=opts.pop_float("duplicate_window"),
-        ack_timeout=opts.pop_float("ack_timeout", 5.0) or 5.0,
-        connect_timeout=opts.pop_float("connect_timeout", 5.0) or 5.0,
-        **common,
-    )

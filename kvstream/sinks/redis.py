@@ -45,13 +45,11 @@ from kvstream._wire.broker import (
     Heartbeats,
     SinkSnapshots,
     SnapshotInfo,
-    client_url,
     key_from_fields,
     redis_fields,
     redis_heartbeats_key,
     redis_snapshot_index,
     redis_snapshot_key,
-    sink_snapshot_options,
     snapshot_envelope,
 )
 from kvstream._wire.broker_client import shown_url
@@ -64,9 +62,7 @@ from kvstream.state import DEFAULT_MAX_BYTES
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
-    from kvstream.config import Options, ParsedURL
-
-__all__ = ["RedisSink", "sink_from_url"]
+__all__ = ["RedisSink"]
 
 log = logging.getLogger("kvstream.sinks")
 
@@ -312,20 +308,3 @@ class RedisSink(Sink):
             client, self._client = self._client, None
             with anyio.CancelScope(shield=True):
                 await redis_client.close_quietly(client)
-
-
-# -- URL factory (kvstream.config's _SINKS) -------------------------------------------
-
-
-def sink_from_url(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink:
-    """`redis://[[USER]:PASSWORD@]HOST:PORT[/STREAM]?maxlen=N&db=0` -> RedisSink."""
-    return RedisSink(
-        client_url(parsed.raw, parsed.scheme, 6379),
-        stream=parsed.path or DEFAULT_REDIS_STREAM,
-        maxlen=opts.pop_int("maxlen", minimum=1),
-        db=opts.pop_int("db", 0) or 0,
-        connect_timeout=opts.pop_float("connect_timeout", 5.0) or 5.0,
-        dedup_scan=opts.pop_int("dedup_scan", 100_000, minimum=1) or 100_000,
-        **sink_snapshot_options(opts),
-        **common,
-    )

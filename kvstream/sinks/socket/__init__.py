@@ -57,13 +57,14 @@ import ssl
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, NamedTuple, cast
+from typing import Any, Final, NamedTuple, cast
 
 import anyio
 import anyio.abc
 from anyio.abc import SocketAttribute, TaskGroup
 from anyio.streams.tls import TLSStream
 
+from kvstream._burst_log import BurstLog
 from kvstream._wire.broker import Heartbeat, Heartbeats
 from kvstream._wire.socket_protocol import (
     MAX_HELLO_BYTES,
@@ -74,13 +75,12 @@ from kvstream._wire.socket_protocol import (
     parse_hello,
     token_matches,
 )
-from kvstream._wire.socket_security import is_loopback, server_ssl_context, token_from_options
+from kvstream._wire.socket_security import is_loopback
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ConfigError, TransportError
 from kvstream.events import EventBatch
 from kvstream.lifetime import LifetimeState, open_task_group
 from kvstream.sinks.base import Sink, SinkStatistics
-from kvstream.sinks.burst_log import BurstLog
 from kvstream.sinks.socket._fanout import (
     SLOW_POLICIES,
     BarrierRequest,
@@ -90,9 +90,6 @@ from kvstream.sinks.socket._fanout import (
 )
 from kvstream.sinks.socket._listen import bind_unix, host_port, peer_name, read_hello
 from kvstream.sinks.socket._subscription import Subscription
-
-if TYPE_CHECKING:
-    from kvstream.config import Options, ParsedURL
 
 __all__ = [
     "DEFAULT_RING_BYTES",
@@ -666,44 +663,3 @@ class SocketSink(Sink):
                 for s in fanout.subscriptions
             ),
         )
-
-
-# -- URL factory (kvstream.config's _SINKS) -----------------------------------------------
-
-
-def sink_from_url(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> SocketSink:
-    """`tcp://HOST:PORT` / `unix:PATH` -> a `SocketSink` (used by kvstream.config)."""
-    where = parsed.raw.partition("?")[0]
-    token = token_from_options(opts, where)
-    cert = opts.pop_str("tls_cert")
-    key = opts.pop_str("tls_key")
-    if key is not None and cert is None:
-        raise ConfigError(f"{where}: option tls_key needs tls_cert")
-    ssl_context = server_ssl_context(cert, key, where=where) if cert is not None else None
-    ring_bytes = opts.pop_size("ring_bytes", DEFAULT_RING_BYTES)
-    subscriber_bytes = (
-        opts.pop_size("subscriber_bytes", DEFAULT_SUBSCRIBER_BYTES)
-        if "subscriber_bytes" in opts
-        else None
-    )
-    kwargs: dict[str, Any] = {
-        "token": token,
-        "ssl_context": ssl_context,
-        "ring_bytes": ring_bytes,
-        "subscriber_bytes": subscriber_bytes,
-        "slow": opts.pop_choice("slow", SLOW_POLICIES, "disconnect"),
-        "max_subscribers": opts.pop_int("max_subscribers", 64, minimum=1),
-        "max_pending_hellos": opts.pop_int(
-            "max_pending_hellos", DEFAULT_MAX_PENDING_HELLOS, minimum=1
-        ),
-        "hello_timeout": opts.pop_float("hello_timeout", 10.0),
-        "snapshot_timeout": opts.pop_float("snapshot_timeout", 5.0),
-        "heartbeat": opts.pop_float("heartbeat"),
-    }
-    if parsed.scheme == "unix":
-        if not parsed.path:
-            raise ConfigError(f"{where}: expected unix:PATH (or unix:///absolute/path)")
-        return SocketSink(path=parsed.path, **kwargs, **common)
-    if parsed.port is None or parsed.path:
-        raise ConfigError(f"{where}: expected tcp://HOST:PORT (port 0 picks a free port)")
-    return SocketSink(host=parsed.host or None, port=parsed.port, **kwargs, **common)

@@ -24,6 +24,7 @@ from typing import Final, Literal, get_args
 import anyio
 import anyio.abc
 
+from kvstream._burst_log import BurstLog
 from kvstream._wire.socket_protocol import (
     Hello,
     OriginInfo,
@@ -38,7 +39,6 @@ from kvstream.codecs.base import Codec
 from kvstream.events import EventBatch, KVCacheEvent
 from kvstream.sinks._encoding import held_bytes
 from kvstream.sinks._replay_ring import Fifo, ReplayRing
-from kvstream.sinks.burst_log import BurstLog
 from kvstream.sinks.socket._subscription import (
     RingEntry,
     SharedSnapshot,

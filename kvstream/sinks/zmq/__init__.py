@@ -55,7 +55,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Self
+from typing import Any, Final, Self
 
 import anyio
 import anyio.lowlevel
@@ -68,7 +68,6 @@ from kvstream._wire.vllm_zmq import (
     REPLAY_LAYOUTS,
     KVEventsConfig,
     ReplayLayout,
-    endpoint_from_parts,
     live_frames,
     llm_d_topic,
     normalize_endpoint,
@@ -77,7 +76,7 @@ from kvstream._wire.vllm_zmq import (
     should_bind,
 )
 from kvstream._wire.zmq_recovery import heartbeat_frames
-from kvstream.codecs.msgpack import MsgpackCodec, codec_from_options
+from kvstream.codecs.msgpack import MsgpackCodec
 from kvstream.errors import ConfigError, MissingDependencyError, TransportError
 from kvstream.events import EventBatch
 from kvstream.sinks._encoding import held_bytes
@@ -92,9 +91,6 @@ try:
     import zmq
 except ImportError as exc:  # pragma: no cover - the extra is installed in tests
     raise MissingDependencyError.for_extra("pyzmq", "zmq", exc) from exc
-
-if TYPE_CHECKING:
-    from kvstream.config import Options, ParsedURL
 
 __all__ = ["DEFAULT_REPLAY_HWM", "DEFAULT_REPLAY_MAX_BYTES", "ZmqSink", "ZmqSinkStatistics"]
 
@@ -593,37 +589,3 @@ class ZmqSink(Sink):
             replays_active=replay.active if replay else 0,
             snapshots=None if self._snapshots is None else self._snapshots.statistics(),
         )
-
-
-# -- URL factory (kvstream.config's _SINKS) ------------------------------------------------
-
-
-def sink_from_url(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink:
-    """`zmq+tcp://HOST:PORT?replay=...` / `zmq+ipc://PATH?...` -> `ZmqSink`."""
-    endpoint = endpoint_from_parts(parsed.scheme, parsed.address, parsed.path, parsed.raw)
-    replay = opts.pop_str("replay")
-    kwargs: dict[str, Any] = {
-        "replay_endpoint": None
-        if replay is None
-        else normalize_endpoint(replay, f"{parsed.raw}: replay"),
-        "topic": opts.pop_str("topic", "") or "",
-        "model": opts.pop_str("model"),
-        "hwm": opts.pop_int("hwm", DEFAULT_HWM, minimum=0),
-        "buffer_steps": opts.pop_int("buffer_steps", DEFAULT_BUFFER_STEPS, minimum=1),
-        "replay_max_bytes": opts.pop_size("replay_max_bytes", DEFAULT_REPLAY_MAX_BYTES),
-        "replay_layout": opts.pop_choice("replay_layout", REPLAY_LAYOUTS, "topic"),
-        "replay_timeout": opts.pop_float("replay_timeout", 30.0),
-        "replay_hwm": opts.pop_int("replay_hwm", DEFAULT_REPLAY_HWM, minimum=0),
-    }
-    snapshot = opts.pop_str("snapshot")
-    if snapshot is not None:
-        kwargs["snapshot_endpoint"] = normalize_endpoint(snapshot, f"{parsed.raw}: snapshot")
-    kwargs["snapshot_max_bytes"] = opts.pop_size("snapshot_max_bytes", DEFAULT_MAX_BYTES)
-    heartbeat = opts.pop_float("heartbeat")
-    if heartbeat is not None:
-        kwargs["heartbeat"] = heartbeat
-    if "bind" in opts:
-        kwargs["bind"] = opts.pop_bool("bind")
-    if "codec" not in common:
-        common["codec"] = codec_from_options(opts)
-    return ZmqSink(endpoint, **kwargs, **common)

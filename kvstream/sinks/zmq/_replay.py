@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Final
 import anyio
 import anyio.lowlevel
 
+from kvstream._burst_log import BurstLog
 from kvstream._wire.vllm_zmq import ReplayLayout, parse_replay_request, replay_end, replay_reply
 from kvstream.errors import DecodeError, MissingDependencyError
 from kvstream.sinks._replay_ring import ReplayRing
-from kvstream.sinks.burst_log import BurstLog
 from kvstream.sinks.zmq._frames import send_now
 from kvstream.sinks.zmq._snapshots import next_request
 

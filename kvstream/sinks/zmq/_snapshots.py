@@ -25,6 +25,7 @@ from typing import Any, Final, NamedTuple
 import anyio
 import anyio.lowlevel
 
+from kvstream._burst_log import BurstLog
 from kvstream._wire.broker import snapshot_parts
 from kvstream._wire.zmq_recovery import (
     SnapshotHead,
@@ -34,7 +35,6 @@ from kvstream._wire.zmq_recovery import (
 from kvstream.codecs.base import Codec
 from kvstream.errors import DecodeError
 from kvstream.events import EventBatch
-from kvstream.sinks.burst_log import BurstLog
 from kvstream.state import StateError, StateKeeper, StateLimitError
 
 try:

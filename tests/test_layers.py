@@ -11,7 +11,20 @@ import kvstream
 
 ROOT = Path(kvstream.__file__).parent
 #: The packages below config: they build nothing from URLs and look nothing up by name.
-BELOW_CONFIG = ("codecs", "consumers", "events.py", "sinks", "sources", "state.py", "wire")
+BELOW_CONFIG = (
+    "_backoff.py",
+    "_burst_log.py",
+    "_dispatch.py",
+    "_wire",
+    "codecs",
+    "consumers",
+    "events.py",
+    "lifetime.py",
+    "scheduler.py",
+    "sinks",
+    "sources",
+    "state.py",
+)
 
 
 def _imports(path: Path) -> set[str]:
@@ -28,7 +41,7 @@ def _modules() -> list[Path]:
     out: list[Path] = []
     for part in BELOW_CONFIG:
         target = ROOT / part
-        out.extend(sorted(target.glob("*.py")) if target.is_dir() else [target])
+        out.extend(sorted(target.rglob("*.py")) if target.is_dir() else [target])
     return out
 
 

@@ -32,7 +32,7 @@ K = TypeVar("K", bound=Hashable)
 class BurstLog:
     """Logs the first of a burst of similar events at `level`, the rest at DEBUG."""
 
-    __slots__ = ("_clock", "_last", "_level", "_log", "_suppressed", "window")
+    __slots__ = ("_clock", "_last", "_level", "_log", "_suppressed", "on", "window")
 
     def __init__(
         self,
@@ -48,6 +48,9 @@ class BurstLog:
         self._clock = clock
         self._last = -math.inf
         self._suppressed = 0
+        #: True from a burst's first record until `clear()` (a plain attribute,
+        #: cheap enough for a hot path to test on every call).
+        self.on = False
 
     @property
     def active(self) -> bool:
@@ -63,6 +66,7 @@ class BurstLog:
             self._log.log(self._level, msg, *args)
             self._last = now
             self._suppressed = 0
+            self.on = True
             return True
         self._suppressed += 1
         self._log.debug(msg, *args)
@@ -78,6 +82,7 @@ class BurstLog:
         was = self.active
         self._last = -math.inf
         self._suppressed = 0
+        self.on = False
         return was
 
 

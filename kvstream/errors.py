@@ -84,10 +84,20 @@ _REPR.maxlevel = 3
 _REPR.maxstring = _REPR.maxother = _REPR.maxlong = 80
 
 
-def shorten(value: object) -> str:
+def shorten(value: object, *, as_json: bool = False) -> str:
     """A repr of `value` short enough for an error message, whatever its depth.
 
     The one rule for showing a bad value in an error or a log line.
+    `as_json=True` shows it as JSON instead (for answers to a JSON request:
+    `true`, `null`), anything JSON cannot write by its repr.
     """
-    shown = _REPR.repr(value)
+    if as_json:
+        import orjson
+
+        try:
+            shown = orjson.dumps(value, default=repr).decode()
+        except (TypeError, orjson.JSONEncodeError):  # too deep, or not a str key
+            shown = _REPR.repr(value)
+    else:
+        shown = _REPR.repr(value)
     return shown if len(shown) <= 80 else shown[:77] + "..."

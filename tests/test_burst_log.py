@@ -76,3 +76,34 @@ def test_keyed_bursts_are_apart_and_clear_apart(caplog: pytest.LogCaptureFixture
     assert _levels(caplog) == [(logging.WARNING, "a gap")]  # b's burst goes on
     assert bursts.clear(("b", "gap"))
     assert not bursts.clear(("c", "gap"))
+
+
+def test_on_says_a_burst_started_and_was_not_cleared() -> None:
+    burst = BurstLog(log, math.inf)
+    seen = [burst.on]
+    burst.log("first")
+    burst.log("second, inside the burst")
+    seen.append(burst.on)
+    assert burst.clear() is True
+    seen.append(burst.on)
+    assert seen == [False, True, False]
+    assert burst.clear() is False  # nothing was on
+
+
+async def test_a_sinks_refusal_burst_ends_with_the_first_batch_taken_whole(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from kvstream import BlockStored, MemorySink, Scheduler
+    from kvstream.codecs.msgpack import MsgpackCodec
+
+    caplog.set_level(logging.WARNING, logger="kvstream.sinks")
+    sink = MemorySink(codec=MsgpackCodec(strict="refuse"), name="strict")
+    bad = BlockStored(block_hashes=[-1], parent_block_hash=None, token_ids=[1], block_size=1)
+    good = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1], block_size=1)
+    async with Scheduler(sinks=[sink], origin="e") as s:
+        for events in ([bad], [bad], [good], [bad]):
+            s.emit(events)
+            await s.tick()
+    refusals = [r for r in caplog.records if "the codec refused" in r.getMessage()]
+    assert len(refusals) == 2  # two bursts: the good batch between them ended the first
+    assert sink.statistics().events_refused == 3

@@ -33,7 +33,7 @@ import orjson
 
 from kvstream._burst_log import BurstLog
 from kvstream._wire.http import HttpLimits, HttpServer, HttpServerStatistics, Request, Response
-from kvstream.errors import ClosedError, ConfigError
+from kvstream.errors import ClosedError, ConfigError, shorten
 from kvstream.index._hashing import tokens_array
 from kvstream.index._prefix import PrefixIndex, PrefixMatch
 from kvstream.lifetime import TaskOwner
@@ -190,7 +190,8 @@ class QueryServer(TaskOwner):
                 type(h) is int and -(2**63) <= h < 2**64 for h in hashes
             ):
                 raise _HttpError(
-                    400, f"block_hashes: expected a list of 64-bit integers, got {_short(hashes)}"
+                    400,
+                    f"block_hashes: expected a list of 64-bit integers, got {_short(hashes)}",
                 )
             converted = None
         elif type(tokens) is not list:
@@ -212,12 +213,14 @@ class QueryServer(TaskOwner):
         include_stale = query.get("include_stale", True)
         if type(include_stale) is not bool:
             raise _HttpError(
-                400, f"include_stale: expected true or false, got {_short(include_stale)}"
+                400,
+                f"include_stale: expected true or false, got {_short(include_stale)}",
             )
         weights = query.get("tier_weights")
         if weights is not None and type(weights) is not dict:
             raise _HttpError(
-                400, f"tier_weights: expected an object of medium -> weight, got {_short(weights)}"
+                400,
+                f"tier_weights: expected an object of medium -> weight, got {_short(weights)}",
             )
         index = self.index
         try:
@@ -228,7 +231,8 @@ class QueryServer(TaskOwner):
                 rank = query.get("data_parallel_rank")
                 if rank is not None and type(rank) is not int:
                     raise _HttpError(
-                        400, f"data_parallel_rank: expected an int or null, got {_short(rank)}"
+                        400,
+                        f"data_parallel_rank: expected an int or null, got {_short(rank)}",
                     )
                 matches = index.match_engine_hashes(
                     hashes,
@@ -348,5 +352,5 @@ def _answer(block_size: int, blocks: int, matches: list[PrefixMatch]) -> Any:
 
 
 def _short(value: object) -> str:
-    shown = orjson.dumps(value, default=repr).decode()
-    return shown if len(shown) <= 80 else shown[:77] + "..."
+    """A bad value as the client sent it: JSON (`shorten`'s JSON form)."""
+    return shorten(value, as_json=True)

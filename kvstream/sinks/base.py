@@ -40,6 +40,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from kvstream._backoff import Backoff
+from kvstream._burst_log import BurstLog
 from kvstream.codecs.base import Codec, Refusal
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ClosedError, ConfigError
@@ -208,10 +209,14 @@ class Sink(TaskOwner, ABC):
         self._send_errors = 0
         self._healthy = True
         self._burst_errors = 0
-        self._drop_burst = False
         self._discarded: set[int] = set()
         self._events_refused = 0
-        self._refuse_burst = False
+        # Logged once per burst (kvstream._burst_log): drops end when the outbox
+        # drains, refusals with the first batch the codec took whole, write
+        # failures when a write succeeds again.
+        self._drop_log = BurstLog(log, math.inf)
+        self._refuse_log = BurstLog(log, math.inf)
+        self._write_log = BurstLog(log, math.inf)
 
     # -- what a sink author writes ------------------------------------------------
 
@@ -398,7 +403,7 @@ class Sink(TaskOwner, ABC):
                 written = False
             if written:
                 self._batches_in += 1
-                if refused or self._refuse_burst:
+                if refused or self._refuse_log.on:
                     self._note_refused(batch, refused)
                 if self._discarded and id(batch) in self._discarded:
                     self._discarded.discard(id(batch))
@@ -441,8 +446,8 @@ class Sink(TaskOwner, ABC):
     def _note_refused(self, batch: EventBatch, refused: tuple[Refusal, ...]) -> None:
         if refused:
             self._count_refused(batch, refused)
-        elif self._refuse_burst:
-            self._refuse_burst = False
+        elif self._refuse_log.on:
+            self._refuse_log.clear()
 
     async def put(self, batch: EventBatch) -> None:
         """Take `batch`, waiting for room when the policy is `block`.
@@ -482,16 +487,14 @@ class Sink(TaskOwner, ABC):
         self._count_drop(batch, reason)
 
     def _count_drop(self, batch: EventBatch, reason: str) -> None:
-        if not self._drop_burst:
-            self._drop_burst = True
-            log.warning(
-                "%s: dropping batches: %s (first: %s/%s seq %d)",
-                self.name,
-                reason,
-                batch.origin,
-                batch.epoch,
-                batch.seq,
-            )
+        self._drop_log.log(
+            "%s: dropping batches: %s (first: %s/%s seq %d)",
+            self.name,
+            reason,
+            batch.origin,
+            batch.epoch,
+            batch.seq,
+        )
         self._batches_dropped += 1
         self._events_dropped += len(batch.events)
 
@@ -503,19 +506,16 @@ class Sink(TaskOwner, ABC):
         (A strict profile's refusals, or events the codec cannot write.)
         """
         self._events_refused += len(refused)
-        if not self._refuse_burst:
-            self._refuse_burst = True
-            first = refused[0]
-            log.warning(
-                "%s: the codec refused %d event(s) of %s/%s seq %d "
-                "(first: %s); the batch is sent without them",
-                self.name,
-                len(refused),
-                batch.origin,
-                batch.epoch,
-                batch.seq,
-                first.reason,
-            )
+        self._refuse_log.log(
+            "%s: the codec refused %d event(s) of %s/%s seq %d "
+            "(first: %s); the batch is sent without them",
+            self.name,
+            len(refused),
+            batch.origin,
+            batch.epoch,
+            batch.seq,
+            refused[0].reason,
+        )
 
     def _take(self) -> list[tuple[bytes, EventBatch]]:
         """Pop the next hop: up to `max_coalesce` batches, 16 MiB at most (or one batch)."""
@@ -528,8 +528,8 @@ class Sink(TaskOwner, ABC):
             hop += cost
             items.append((data, batch))
         self._inflight_cost = hop
-        if not outbox and self._drop_burst:
-            self._drop_burst = False
+        if not outbox and self._drop_log.on:
+            self._drop_log.clear()
             log.warning(
                 "%s: outbox drained; %d batches (%d events) dropped so far",
                 self.name,
@@ -583,13 +583,13 @@ class Sink(TaskOwner, ABC):
                 if self._healthy:
                     self._healthy = False
                     self._burst_errors = 0
-                    log.warning(
-                        "%s: send failed (%s: %s); retrying with backoff",
-                        self.name,
-                        type(exc).__name__,
-                        exc,
-                    )
                 self._burst_errors += 1
+                self._write_log.log(
+                    "%s: send failed (%s: %s); retrying with backoff",
+                    self.name,
+                    type(exc).__name__,
+                    exc,
+                )
                 await backoff.wait()
                 try:
                     await self.recover(exc)
@@ -599,6 +599,7 @@ class Sink(TaskOwner, ABC):
             if not self._healthy:
                 self._healthy = True
                 backoff.reset()
+                self._write_log.clear()
                 log.warning(
                     "%s: send recovered after %d failed attempts", self.name, self._burst_errors
                 )

@@ -82,7 +82,15 @@ from kvstream.events import EventBatch
 from kvstream.sinks._encoding import held_bytes
 from kvstream.sinks._replay_ring import ReplayRing
 from kvstream.sinks.base import Sink, SinkStatistics
-from kvstream.sinks.zmq._frames import MORE_NOW, NOW, SEND_FRAME, attach, paced_router, send_now
+from kvstream.sinks.zmq._frames import (
+    MORE_NOW,
+    NOW,
+    SEND_FRAME,
+    attach,
+    paced_router,
+    pipe_backoff,
+    send_now,
+)
 from kvstream.sinks.zmq._replay import DEFAULT_MAX_REPLAY_CLIENTS, Entry, ReplayServer
 from kvstream.sinks.zmq._snapshots import SnapshotServer, SnapshotServerStatistics
 from kvstream.state import DEFAULT_MAX_BYTES
@@ -104,13 +112,11 @@ _ENTRY_OVERHEAD: Final = 256
 #: reading (or never reads) can pin is this many messages, and their payloads
 #: are the ring's own bytes (sent without copying), not copies.
 DEFAULT_REPLAY_HWM: Final = 16
-_BACKOFF_MIN: Final = 0.001
 #: Sequence numbers below this are packed inline (the end marker's value and above raise).
 _SEQ_END: Final = (1 << 64) - 1
 #: How often the subscription and replay readers look at their sockets when
 #: the descriptor stays quiet (a send on the tick can consume its signal).
 _WATCH_INTERVAL: Final = 0.02
-_BACKOFF_MAX: Final = 0.05
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -482,7 +488,7 @@ class ZmqSink(Sink):
             return
         seq_frame = pack_seq(batch.seq)
         frames = live_frames(topic, seq_frame, data)
-        delay = _BACKOFF_MIN
+        backoff = pipe_backoff()
         while True:
             try:
                 send_now(pub, frames)
@@ -492,8 +498,7 @@ class ZmqSink(Sink):
                 if self.policy != "block":
                     self.discard(batch, "a subscriber's pipe is full (XPUB high-water mark)")
                     break
-                await anyio.sleep(delay)
-                delay = min(delay * 2, _BACKOFF_MAX)
+                await backoff.wait()
                 continue
             except zmq.ZMQError as exc:
                 raise TransportError(f"{self.name}: cannot publish: {exc}") from exc

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Final
 
+from kvstream._backoff import Backoff
 from kvstream.errors import MissingDependencyError, TransportError
 
 try:
@@ -11,7 +12,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is installed in tests
     raise MissingDependencyError.for_extra("pyzmq", "zmq", exc) from exc
 
-__all__ = ["MORE_NOW", "NOW", "SEND_FRAME", "attach", "paced_router", "send_now"]
+__all__ = ["MORE_NOW", "NOW", "SEND_FRAME", "attach", "paced_router", "pipe_backoff", "send_now"]
 
 #: pyzmq's frame send without its Python wrapper (`send_multipart` spends most of
 #: its time in Python: flag arithmetic on enums, keyword handling, a loop).
@@ -61,3 +62,8 @@ def attach(sock: zmq.Socket[bytes], endpoint: str, bind: bool, what: str) -> str
         verb = "bind" if bind else "connect"
         raise TransportError(f"ZmqSink: {what}: cannot {verb} {endpoint}: {exc}") from exc
     return endpoint
+
+
+def pipe_backoff() -> Backoff:
+    """How long to wait for a full ZMQ pipe: 1 ms, doubling, at most 50 ms (a poll, not a retry)."""
+    return Backoff(0.001, 0.05, where="ZMQ pipe")

@@ -19,7 +19,7 @@ from kvstream._burst_log import BurstLog
 from kvstream._wire.vllm_zmq import ReplayLayout, parse_replay_request, replay_end, replay_reply
 from kvstream.errors import DecodeError, MissingDependencyError
 from kvstream.sinks._replay_ring import ReplayRing
-from kvstream.sinks.zmq._frames import send_now
+from kvstream.sinks.zmq._frames import pipe_backoff, send_now
 from kvstream.sinks.zmq._snapshots import next_request
 
 try:
@@ -40,8 +40,6 @@ Entry = tuple[int, bytes, bytes, bytes]
 DEFAULT_MAX_REPLAY_CLIENTS: Final = 64
 #: Frames sent to one reply client before the others get a turn.
 _REPLY_BUDGET: Final = 64
-_BACKOFF_MIN: Final = 0.001
-_BACKOFF_MAX: Final = 0.05
 
 
 class _Reply:
@@ -133,7 +131,7 @@ class ReplayServer:
 
     async def pump_replies(self) -> None:
         """Serve every reply in turn, a few frames each, backing off while all are stalled."""
-        delay = _BACKOFF_MIN
+        backoff = pipe_backoff()
         while True:
             if not self._replies:
                 await self._wakeup.wait()
@@ -143,11 +141,10 @@ class ReplayServer:
                 if await self._pump(reply):
                     progressed = True
             if progressed:
-                delay = _BACKOFF_MIN
+                backoff.reset()
                 await anyio.lowlevel.checkpoint()  # live publishing goes on between turns
             else:
-                await anyio.sleep(delay)
-                delay = min(delay * 2, _BACKOFF_MAX)
+                await backoff.wait()
 
     async def _pump(self, reply: _Reply) -> bool:
         """Send up to a budget of frames to one client; True if anything was sent."""

@@ -35,6 +35,7 @@ from kvstream._wire.zmq_recovery import (
 from kvstream.codecs.base import Codec
 from kvstream.errors import DecodeError
 from kvstream.events import EventBatch
+from kvstream.sinks.zmq._frames import pipe_backoff
 from kvstream.state import StateError, StateKeeper, StateLimitError
 
 try:
@@ -48,8 +49,6 @@ log = logging.getLogger("kvstream.sinks")
 
 #: How often an idle server applies what the tick recorded, and looks at its socket.
 _IDLE_INTERVAL: Final = 0.02
-_BACKOFF_MIN: Final = 0.001
-_BACKOFF_MAX: Final = 0.05
 
 
 class SnapshotServerStatistics(NamedTuple):
@@ -142,7 +141,7 @@ class SnapshotServer:
     async def _answer(self, router: zmq.Socket[bytes], identity: bytes, topic: bytes) -> None:
         self.apply_pending()
         messages = await self._messages(identity, topic)
-        delay = _BACKOFF_MIN
+        backoff = pipe_backoff()
         stalled_since: float | None = None
         for frames in messages:
             while True:
@@ -156,14 +155,13 @@ class SnapshotServer:
                         self._abandon(identity, f"its pipe stayed full for {self.timeout:g} s")
                         return
                     self.apply_pending()
-                    await anyio.sleep(delay)
-                    delay = min(delay * 2, _BACKOFF_MAX)
+                    await backoff.wait()
                     continue
                 except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the client is gone
                     self._abandon(identity, str(exc))
                     return
                 stalled_since = None
-                delay = _BACKOFF_MIN
+                backoff.reset()
                 break
         if len(messages) > 1:
             self._served += 1

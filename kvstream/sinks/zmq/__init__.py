@@ -114,9 +114,11 @@ _ENTRY_OVERHEAD: Final = 256
 DEFAULT_REPLAY_HWM: Final = 16
 #: Sequence numbers below this are packed inline (the end marker's value and above raise).
 _SEQ_END: Final = (1 << 64) - 1
-#: How often the subscription and replay readers look at their sockets when
-#: the descriptor stays quiet (a send on the tick can consume its signal).
-_WATCH_INTERVAL: Final = 0.02
+#: How often the subscription watcher looks at the socket when the descriptor
+#: stays quiet (a send on the tick can consume its signal); `wait_subscribed()`
+#: looks every `_WAIT_INTERVAL` itself.
+_WATCH_INTERVAL: Final = 1.0
+_WAIT_INTERVAL: Final = 0.02
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -547,29 +549,46 @@ class ZmqSink(Sink):
         assert pub is not None
         while True:
             try:
-                message = pub.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                # The descriptor signals pending work; a send on the tick may
-                # have taken that signal already, hence the timeout.
-                with anyio.move_on_after(_WATCH_INTERVAL):
-                    await anyio.wait_readable(pub.FD)
-                continue
+                self._read_subscriptions(pub)
             except zmq.ZMQError as exc:
                 log.debug("%s: subscription watcher stopped: %s", self.name, exc)
                 return
+            # The descriptor signals pending work; a send on the tick may have
+            # taken that signal already, hence the timeout. It is long: each
+            # wake-up takes the GIL from a busy engine thread (the drop-in runs
+            # beside one), and the count is only needed promptly by someone in
+            # wait_subscribed(), which reads the socket itself.
+            with anyio.move_on_after(_WATCH_INTERVAL):
+                await anyio.wait_readable(pub.FD)
+
+    def _read_subscriptions(self, pub: zmq.Socket[bytes]) -> None:
+        """Count every (un)subscription the XPUB has queued; returns when none is left."""
+        changed = False
+        while True:
+            try:
+                message = pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
             if message[:1] == b"\x01":
                 self._subscriptions += 1
+                changed = True
             elif message[:1] == b"\x00":
                 self._subscriptions -= 1
-            else:
-                continue
-            changed, self._subscription_changed = self._subscription_changed, anyio.Event()
-            changed.set()
+                changed = True
+        if changed:
+            event, self._subscription_changed = self._subscription_changed, anyio.Event()
+            event.set()
 
     async def wait_subscribed(self, count: int = 1) -> None:
         """Return once at least `count` subscriptions are in place (tests, demos)."""
         while self._subscriptions < count:
-            await self._subscription_changed.wait()
+            pub = self._pub
+            if pub is not None and not pub.closed:
+                self._read_subscriptions(pub)
+                if self._subscriptions >= count:
+                    return
+            with anyio.move_on_after(_WAIT_INTERVAL):
+                await self._subscription_changed.wait()
 
     # -- introspection --------------------------------------------------------------------
 

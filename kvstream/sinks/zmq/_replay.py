@@ -10,6 +10,7 @@ logged once per burst.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Final
 
 import anyio
@@ -40,6 +41,11 @@ Entry = tuple[int, bytes, bytes, bytes]
 DEFAULT_MAX_REPLAY_CLIENTS: Final = 64
 #: Frames sent to one reply client before the others get a turn.
 _REPLY_BUDGET: Final = 64
+#: How often the request reader looks at the socket without a signal: often
+#: while replies go out on it (a reply's send can take a request's signal),
+#: rarely when idle (each look takes the GIL from the engine's thread).
+_REQUEST_INTERVAL_BUSY: Final = 0.02
+_REQUEST_INTERVAL_IDLE: Final = 1.0
 
 
 class _Reply:
@@ -79,6 +85,8 @@ class ReplayServer:
         self.router: zmq.Socket[bytes] | None = None
         self._replies: dict[bytes, _Reply] = {}
         self._wakeup = anyio.Event()
+        #: When a reply last sent something (the request reader looks often then).
+        self._last_reply = -math.inf
         self._malformed_log = BurstLog(log)
         self._busy_log = BurstLog(log)
         self._abandon_log = BurstLog(log)
@@ -92,6 +100,11 @@ class ReplayServer:
         self.sent = 0
         self.waits = 0
 
+    def _request_interval(self) -> float:
+        if self._replies or anyio.current_time() - self._last_reply < _REQUEST_INTERVAL_IDLE:
+            return _REQUEST_INTERVAL_BUSY
+        return _REQUEST_INTERVAL_IDLE
+
     @property
     def active(self) -> int:
         """Replies in progress."""
@@ -101,7 +114,9 @@ class ReplayServer:
         router = self.router
         assert router is not None
         while True:
-            frames = await next_request(router, f"{self.name}: replay server")
+            frames = await next_request(
+                router, f"{self.name}: replay server", interval=self._request_interval
+            )
             if frames is None:
                 return
             try:
@@ -184,6 +199,7 @@ class ReplayServer:
                 self._abandon(reply, str(exc))
                 return sent > 0
             reply.stalled_since = None
+            self._last_reply = anyio.current_time()
             sent += 1
             if entry is None:
                 self.completed += 1

@@ -205,11 +205,15 @@ class SnapshotServer:
 
 
 async def next_request(
-    router: zmq.Socket[bytes], what: str, on_idle: Callable[[], object] | None = None
+    router: zmq.Socket[bytes],
+    what: str,
+    on_idle: Callable[[], object] | None = None,
+    interval: Callable[[], float] | None = None,
 ) -> list[bytes] | None:
     """The next request on a ROUTER served from the loop (replies, snapshots); None
     once the socket is closed. While none is there, `on_idle()` runs and the
-    descriptor is watched, with a timeout: a send on the tick can take its signal.
+    descriptor is watched, with a timeout (`interval()` seconds, default
+    `_IDLE_INTERVAL`): a reply sent on the same socket can take its signal.
     """
     while True:
         try:
@@ -217,7 +221,7 @@ async def next_request(
         except zmq.Again:
             if on_idle is not None:
                 on_idle()
-            with anyio.move_on_after(_IDLE_INTERVAL):
+            with anyio.move_on_after(_IDLE_INTERVAL if interval is None else interval()):
                 await anyio.wait_readable(router.FD)
         except zmq.ZMQError as exc:
             log.debug("%s stopped: %s", what, exc)

@@ -100,6 +100,11 @@ class ThreadsafeHandle:
         self._lingering = False
         #: What the loop side waits on while idle; a wake resolves it.
         self._waiter: asyncio.Future[None] | None = None
+        #: The `idle_poll` timer while the loop side lingers.
+        self._timer: asyncio.TimerHandle | None = None
+        #: A step worked through in the timer's callback left batches in the
+        #: scheduler's backlog (a full `block` sink): the task must see them on.
+        self._dispatch_pending = False
         self._closed = False
         self._done = asyncio.Event()
         # Steps handed over and steps taken: each counter written by one side only.
@@ -112,6 +117,9 @@ class ThreadsafeHandle:
         self.events_abandoned = 0
         #: Times a hand-off had to wake the loop side (see `idle_poll` in `step()`).
         self.wakeups = 0
+        #: Bursts of steps the loop side worked through in its `idle_poll` timer,
+        #: without a task switch.
+        self.bursts_inline = 0
 
     # -- the engine's side (any thread) ---------------------------------------------------
 
@@ -181,13 +189,66 @@ class ThreadsafeHandle:
                 raise ClosedError("the scheduler's event loop has stopped") from None
 
     def _linger_over(self) -> None:
-        """On the loop, `idle_poll` after it ran out of work: take what came, or park."""
+        """On the loop, `idle_poll` after it ran out of work: take what came, or park.
+
+        What came is worked through here, in the timer's callback, when it needs
+        no waiting (steps every sink takes at once): a burst costs no task switch,
+        whose extra loop turn hands the GIL back and forth once more. Anything
+        that needs waiting (a full `block` sink, a tick, a flush) wakes the task.
+        """
         with self._lock:
             self._lingering = False
             if not self._entries or not self._idle:
                 return  # parked: the next hand-off wakes it
             self._idle = False
-        self._wake()
+        if not self._work_through():
+            self._wake()
+            return
+        self.bursts_inline += 1
+        with self._lock:
+            if self._entries or self._closed:
+                wake = True
+            else:
+                wake = False
+                self._idle = True
+                self._lingering = True
+        if wake:
+            self._wake()
+        else:
+            self._timer = self._loop.call_later(self._linger, self._linger_over)
+
+    def _work_through(self) -> bool:
+        """Seal and hand on the queued steps that need no waiting; True when none is left.
+
+        Stops at the first entry that needs the task (a tick, a flush, a step a
+        full `block` sink did not take at once: its batches wait in the
+        scheduler's backlog, and `_dispatch_pending` tells the task to see them on).
+        """
+        entries = self._entries
+        scheduler = self._scheduler
+        dispatch = scheduler._dispatch
+        convert = self._convert
+        for _ in range(_TURN):
+            if not entries:
+                return True
+            kind = entries[0][0]
+            if kind == _EMIT:
+                scheduler._emit_from_thread(entries.popleft()[1])
+                continue
+            if kind != _STEP:
+                return False
+            entry = entries.popleft()
+            self._taken += 1
+            if self._room_wanted:
+                self._room.set()
+            try:
+                batches = scheduler._seal_step(convert(entry[1]), entry[2], entry[3])
+                if batches and not dispatch.dispatch_now(batches):
+                    self._dispatch_pending = True
+                    return False
+            except Exception:
+                log.exception("a step handed over from a thread failed")
+        return not entries
 
     def _wake(self) -> None:
         """On the loop: resume the loop side if it waits (a late wake finds nothing to do)."""
@@ -301,12 +362,20 @@ class ThreadsafeHandle:
                         break
                     self._idle = True
                     self._lingering = self._linger > 0
-                timer = loop.call_later(self._linger, self._linger_over) if self._linger else None
+                if self._linger:
+                    self._timer = loop.call_later(self._linger, self._linger_over)
                 try:
                     await waiter
                 finally:
-                    if timer is not None:
-                        timer.cancel()
+                    if self._timer is not None:
+                        self._timer.cancel()
+                        self._timer = None
+                if self._dispatch_pending:
+                    self._dispatch_pending = False
+                    try:
+                        await dispatch.wait_all()
+                    except Exception:
+                        log.exception("a step handed over from a thread failed")
         finally:
             self._closed = True
             self._done.set()

@@ -198,3 +198,64 @@ def test_idle_poll_hands_steps_over_without_a_wake_each(
 def test_idle_poll_is_checked() -> None:
     with pytest.raises(ConfigError, match=r"idle_poll: expected seconds in \[0, 1\], got 5"):
         LoopThread(Scheduler(sinks=[MemorySink()]), idle_poll=5)
+
+
+def test_a_burst_is_worked_through_in_the_idle_poll_timer() -> None:
+    # Steps handed over while the loop lingers are sealed and written by the
+    # timer's callback itself: no wake-up, no task switch, every step its batch.
+    import time
+
+    sink = MemorySink()
+    runner = LoopThread(Scheduler(sinks=[sink], origin="engine"), idle_poll=0.25)
+    try:
+        handle = runner.handle
+        # The loop lingers 250 ms each time it runs out of work: rounds of steps
+        # 20 ms apart all land while it lingers (the first one woke it).
+        for round_ in range(4):
+            for i in range(4):
+                handle.step([ev(round_ * 4 + i)])
+            time.sleep(0.02)
+        time.sleep(0.5)
+        handle.flush(10.0)
+        assert [b.events for b in sink.batches] == [[ev(i)] for i in range(16)]
+        assert handle.bursts_inline >= 1
+        assert handle.wakeups <= 2  # the first round and the flush
+    finally:
+        runner.close()
+
+
+def test_a_burst_a_full_block_sink_cannot_take_at_once_is_finished_by_the_task() -> None:
+    # The timer's callback cannot wait: a step whose batch a full `block` sink
+    # refuses goes to the scheduler's backlog, and the loop's task sees it on,
+    # in order, before anything handed over later.
+    import time
+
+    from kvstream.sinks.base import Sink
+
+    class SlowSink(Sink):
+        def __init__(self) -> None:
+            super().__init__(name="slow", policy="block", max_batches=1)
+            self.seqs: list[int] = []
+
+        async def write(self, data: bytes, batch: EventBatch) -> None:
+            await anyio.sleep(0.01)
+            self.seqs.append(batch.seq)
+
+    sink = SlowSink()
+    runner = LoopThread(Scheduler(sinks=[sink], origin="engine"), idle_poll=0.05)
+    try:
+        handle = runner.handle
+        time.sleep(0.1)
+        for i in range(10):
+            handle.step([ev(i)])
+        time.sleep(0.2)
+        for i in range(10, 15):
+            handle.step([ev(i)])
+        handle.flush(10.0)
+        deadline = time.monotonic() + 10
+        while len(sink.seqs) < 15 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sink.seqs == list(range(15))
+        assert sink.statistics().batches_dropped == 0
+    finally:
+        runner.close()

@@ -484,7 +484,7 @@ async def test_the_outbox_is_bounded_in_batches() -> None:
         assert sink.statistics().queued_batches == 2
         async with anyio.create_task_group() as tg:
             tg.start_soon(sink.put, batch(3))
-            await wait_until(lambda: bool(sink._space_waiters))
+            await wait_until(lambda: sink._outbox.waiting > 0)
             sink.gate.set()
     assert sink.seqs == [0, 1, 2, 3]
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import math
 from abc import ABC, abstractmethod
-from collections import deque
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from kvstream.errors import ClosedError, ConfigError
 from kvstream.events import EventBatch
 from kvstream.lifetime import LifetimeState, TaskOwner, open_task_group
 from kvstream.sinks._encoding import SharedEncoding
+from kvstream.sinks._outbox import Outbox
 
 __all__ = [
     "DEFAULT_MAX_BATCHES",
@@ -64,14 +64,8 @@ POLICIES: Final[tuple[str, ...]] = get_args(OverflowPolicy)
 
 DEFAULT_MAX_BYTES: Final = 64 * 1024 * 1024
 DEFAULT_MAX_BATCHES: Final = 100_000
-#: What a batch is assumed to cost before the sink has encoded one.
 #: What a queued batch costs beyond its encoded bytes (the outbox entry, the batch).
 _ENTRY_OVERHEAD: Final = 160
-#: A writer hop (`write_many`) carries at most this many bytes (or one batch).
-#: Large, because a hop to a worker thread costs a GIL hand-off each way, which a
-#: busy loop makes slow (up to the interpreter's switch interval, 5 ms); bounded,
-#: so that what a hop holds is freed, and its memory reused, before the next.
-_HOP_BYTES: Final = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -172,8 +166,6 @@ class Sink(TaskOwner, ABC):
             )
         self.codec: Codec | None = codec
         self.policy: OverflowPolicy = policy
-        self.max_bytes = max_bytes
-        self.max_batches = max_batches
         TaskOwner.__init__(self)
         self.name = name or type(self).__name__
         self.close_timeout = close_timeout
@@ -181,15 +173,10 @@ class Sink(TaskOwner, ABC):
         # A private encoding until a scheduler joins the sink to its group.
         self._encoding = SharedEncoding(codec)
         self._encoding.users = 1
-        # Outbox: (batch, its encoded bytes, what they cost). _queued_bytes counts
-        # the outbox and the batches in flight: the bound covers both.
-        self._outbox: deque[tuple[EventBatch, bytes, int]] = deque()
-        self._queued_bytes = 0
-        self._inflight: list[EventBatch] = []
-        self._inflight_cost = 0
+        #: The queue the writer works through (`kvstream.sinks._outbox`).
+        self._outbox = Outbox(max_batches, max_bytes)
         self._inline = type(self).write_nowait is not Sink.write_nowait
         self._writer_waiting: anyio.Event | None = None
-        self._space_waiters: list[anyio.Event] = []
         #: The sink's tasks (the writer; subclasses may start more). Closing cancels
         #: its scope, which the owner's `async with` body is not in (`open_task_group`).
         self._tg: TaskGroup | None = None
@@ -394,7 +381,7 @@ class Sink(TaskOwner, ABC):
             self._events_dropped += len(batch.events)
             return True
         outbox = self._outbox
-        if self._inline and not outbox and not self._inflight and self._healthy:
+        if self._inline and not outbox.entries and not outbox.inflight and self._healthy:
             try:
                 written = self.write_nowait(data, batch)
             except Exception as exc:
@@ -414,9 +401,7 @@ class Sink(TaskOwner, ABC):
                     self._bytes_out += len(data)
                 return True
         cost += _ENTRY_OVERHEAD
-        if (outbox or self._inflight) and (
-            len(outbox) >= self.max_batches or self._queued_bytes + cost > self.max_bytes
-        ):
+        if outbox.full_for(cost):
             policy = self.policy
             if policy == "block" and not force:
                 return False
@@ -425,18 +410,12 @@ class Sink(TaskOwner, ABC):
             if policy == "drop_newest":
                 self._drop(batch)
                 return True
-            while policy == "drop_oldest" and (
-                outbox
-                and (len(outbox) >= self.max_batches or self._queued_bytes + cost > self.max_bytes)
-            ):
-                old, _, old_cost = outbox.popleft()
-                self._queued_bytes -= old_cost
-                self._drop(old)
+            while policy == "drop_oldest" and outbox.entries and outbox.over(cost):
+                self._drop(outbox.pop_oldest())
         else:
             self._batches_in += 1
             self._note_refused(batch, refused)
-        outbox.append((batch, data, cost))
-        self._queued_bytes += cost
+        outbox.push(batch, data, cost)
         waiting = self._writer_waiting
         if waiting is not None:
             self._writer_waiting = None
@@ -456,14 +435,13 @@ class Sink(TaskOwner, ABC):
         and offers it again).
         """
         while not self.offer(batch):
-            event = anyio.Event()
-            self._space_waiters.append(event)
-            await event.wait()
+            await self._outbox.wait_for_room()
 
     def _drop(self, batch: EventBatch) -> None:
         self._count_drop(
             batch,
-            f"outbox full ({len(self._outbox)} batches, {self._queued_bytes} bytes), "
+            f"outbox full ({len(self._outbox.entries)} batches, "
+            f"{self._outbox.queued_bytes} bytes), "
             f"policy {self.policy}",
         )
 
@@ -519,16 +497,8 @@ class Sink(TaskOwner, ABC):
 
     def _take(self) -> list[tuple[bytes, EventBatch]]:
         """Pop the next hop: up to `max_coalesce` batches, 16 MiB at most (or one batch)."""
-        items: list[tuple[bytes, EventBatch]] = []
-        outbox = self._outbox
-        limit = self.max_coalesce
-        hop = 0
-        while outbox and len(items) < limit and (hop < _HOP_BYTES or not items):
-            batch, data, cost = outbox.popleft()
-            hop += cost
-            items.append((data, batch))
-        self._inflight_cost = hop
-        if not outbox and self._drop_log.on:
+        items = self._outbox.take(self.max_coalesce)
+        if not self._outbox.entries and self._drop_log.on:
             self._drop_log.clear()
             log.warning(
                 "%s: outbox drained; %d batches (%d events) dropped so far",
@@ -538,33 +508,22 @@ class Sink(TaskOwner, ABC):
             )
         return items
 
-    def _wake_space_waiters(self) -> None:
-        if self._space_waiters:
-            waiters, self._space_waiters = self._space_waiters, []
-            for w in waiters:
-                w.set()
-
     async def _writer(self) -> None:
         self._writer_started = True
         try:
             while self._drain_report is None:  # once reported, nothing more is sent
-                if not self._outbox:
+                if not self._outbox.entries:
                     if self._state is _CLOSING or self._state is _CLOSED:
                         return
                     event = self._writer_waiting = anyio.Event()
                     await event.wait()
                     continue
                 items = self._take()
-                self._inflight = [b for _, b in items]
-                self._wake_space_waiters()
                 await self._deliver(items)
-                self._inflight = []
-                self._queued_bytes -= self._inflight_cost
-                self._inflight_cost = 0
+                self._outbox.landed()
                 # Free the encoded bytes before the next hop: the allocator then
                 # reuses that memory instead of faulting in fresh pages.
                 del items
-                self._wake_space_waiters()
         finally:
             self._writer_done.set()
 
@@ -633,9 +592,9 @@ class Sink(TaskOwner, ABC):
             with anyio.move_on_after(timeout):
                 await self._writer_done.wait()
             self._tg.cancel_scope.cancel()
-        # The writer clears _inflight only after a delivery succeeded: whatever
-        # is still there (the writer was cancelled mid-send) was not delivered.
-        pending = self._inflight + [b for b, _, _ in self._outbox]
+        # The writer lands a hop only after its delivery succeeded: whatever is
+        # still in flight (the writer was cancelled mid-send) was not delivered.
+        pending = self._outbox.pending()
         n_events = sum(len(b.events) for b in pending)
         report = DeliveryReport(
             self.name, len(pending), n_events, pending[0].key if pending else None
@@ -650,9 +609,7 @@ class Sink(TaskOwner, ABC):
             )
         self._drain_report = report
         # Wake anyone blocked in put(): the sink is closed now.
-        for w in self._space_waiters:
-            w.set()
-        self._space_waiters = []
+        self._outbox.wake()
         return report
 
     # -- introspection --------------------------------------------------------------
@@ -667,6 +624,16 @@ class Sink(TaskOwner, ABC):
         """Batches written straight from the tick (`write_nowait()`), without
         waking the writer task; `statistics().batches_out` counts them too."""
         return self._batches_inline
+
+    @property
+    def max_batches(self) -> int:
+        """The outbox's bound in batches."""
+        return self._outbox.max_batches
+
+    @property
+    def max_bytes(self) -> int:
+        """The outbox's bound in bytes (encoded, as allocated, plus a fixed cost per batch)."""
+        return self._outbox.max_bytes
 
     @property
     def accepting(self) -> bool:
@@ -689,8 +656,8 @@ class Sink(TaskOwner, ABC):
             "bytes_out": self._bytes_out,
             "batches_dropped": self._batches_dropped,
             "events_dropped": self._events_dropped,
-            "queued_batches": len(self._outbox),
-            "queued_bytes": max(self._queued_bytes, 0),
+            "queued_batches": len(self._outbox.entries),
+            "queued_bytes": max(self._outbox.queued_bytes, 0),
             "send_errors": self._send_errors,
             "healthy": self._healthy,
             "undelivered_batches": report.undelivered_batches if report else 0,

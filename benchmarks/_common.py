@@ -1,6 +1,6 @@
 """What every script in `benchmarks/` shares: options, the run, the output.
 
-The benchmarks themselves live in `kvstream.bench` (so `kvstream bench`
+The benchmarks themselves live in `kvstream._bench` (so `kvstream bench`
 can run them from an installed package); each script here runs a few of them,
 prints their table and writes the JSON report. Every script takes:
 

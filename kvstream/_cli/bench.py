@@ -1,6 +1,6 @@
 """`kvstream bench`: the benchmark suite, side by side with its baselines.
 
-Runs every benchmark of kvstream.bench (or those named with `--only`)
+Runs every benchmark of kvstream._bench (or those named with `--only`)
 with a progress bar on stderr, prints a table (events/s, ratio to the
 baseline measured in the same run, CPU per event, p50/p99), checks the
 project's targets, and optionally writes the report as JSON and a plot of

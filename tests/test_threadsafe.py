@@ -259,3 +259,43 @@ def test_a_burst_a_full_block_sink_cannot_take_at_once_is_finished_by_the_task()
         assert sink.statistics().batches_dropped == 0
     finally:
         runner.close()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_steps_ticks_and_flushes_with_idle_poll_keep_order_under_a_slow_block_sink(
+    seed: int,
+) -> None:
+    # Bursts worked through in the timer's callback, steps a full `block` sink
+    # refuses at once (finished by the task), ticks and flushes among them: every
+    # step is its batch, in order, with the next seq, and nothing is lost.
+    import time
+
+    rng = random.Random(seed)
+    sink = MemorySink(delay=0.0005, policy="block", max_batches=2)
+    runner = LoopThread(Scheduler(sinks=[sink], origin="engine"), idle_poll=0.005)
+    expected: list[list[KVCacheEvent]] = []
+    try:
+        handle = runner.handle
+        n = 0
+        for _ in range(300):
+            action = rng.random()
+            if action < 0.8:
+                events: list[KVCacheEvent] = [ev(n + j) for j in range(rng.choice((0, 1, 2, 5)))]
+                n += len(events)
+                handle.step(events)
+                expected.append(events)
+            elif action < 0.9:
+                events = [ev(n)]
+                n += 1
+                handle.emit(events)
+                handle.tick()
+                expected.append(events)
+            else:
+                handle.flush(10.0)
+            if rng.random() < 0.1:
+                time.sleep(rng.choice((0.001, 0.004, 0.008)))
+        handle.flush(10.0)
+    finally:
+        runner.close()
+    assert [b.events for b in sink.batches] == expected
+    assert [b.seq for b in sink.batches] == list(range(len(expected)))

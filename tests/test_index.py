@@ -678,6 +678,31 @@ def test_the_same_block_stored_twice_is_reference_counted() -> None:
     assert stats.distinct_blocks == 0
 
 
+def test_repeats_within_one_batch_are_reference_counted() -> None:
+    """The stores of one batch are merged into the nodes together: a block named twice
+    on one tier there (again as a placeholder, or under a second engine hash) still
+    needs two removals, and a placeholder of a block stored earlier in the batch counts."""
+    index = PrefixIndex(block_size=B)
+    feed = Feed(index)
+    feed(
+        _stored([1, 2], T[:8]),
+        _stored([1], [], medium="GPU"),  # block 1 again on GPU: one more reference
+        _stored([7, 8], T[:8]),  # the same tokens under other engine hashes
+        _stored([2], [], medium="CPU"),
+    )
+    stats = index.statistics()
+    assert stats.origins["a"].by_medium == {"GPU": 2, "CPU": 1}
+    assert stats.distinct_blocks == 2
+    feed(BlockRemoved(block_hashes=[1, 2], medium="GPU"))
+    feed(BlockRemoved(block_hashes=[1], medium="GPU"))
+    assert head(index.match(T)) == [PrefixMatch("a", 2, "GPU")]  # 7, 8 hold them still
+    feed(BlockRemoved(block_hashes=[7, 8], medium="GPU"))
+    assert head(index.match(T)) == []  # block 2 left GPU; block 1 is on no tier
+    feed(BlockRemoved(block_hashes=[1], medium="GPU"))  # one reference too many
+    assert index.statistics().unknown_removals == 1
+    assert index.statistics().origins["a"].by_medium == {"CPU": 1}
+
+
 def test_removals_of_unknown_blocks_are_counted_and_ignored() -> None:
     index = PrefixIndex(block_size=B)
     feed = Feed(index)

@@ -31,7 +31,7 @@ import operator
 import struct
 import sys
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from itertools import repeat
 from types import EllipsisType, MappingProxyType
@@ -342,10 +342,16 @@ class PrefixIndex:
         self._table: NodeTable | None = NodeTable() if lookup_table else None
         self._dirty: dict[int, None] = self._table.dirty if self._table is not None else {}
         self._table_stale = False
+        #: runs of own hashes changed in bulk (a batch's stores), folded into the dirty
+        #: keys before the next sync; dropped unread when the table is rebuilt instead
+        self._dirty_runs: list[list[int]] = []
+        self._dirty_run_len = 0
         #: prompts shorter than this look up in the dict (numpy's fixed costs are higher)
         self._table_min_blocks = 48
         #: the current batch's block values, and the last run of chained hashes computed
         self._batch_fin: Any = None
+        #: the same as a list, made when a store needs it
+        self._batch_list: list[int] | None = None
         self._run_cache: tuple[int, int, list[int], int] | None = None
         self._streams: dict[StreamKey, _Stream] = {}
         self._slots: list[_Stream | None] = []
@@ -450,27 +456,141 @@ class PrefixIndex:
         prepared = self._batch_values(events)
         if len(self._canon) > 65536:  # only an optimisation: start afresh
             self._canon = {}
-        if len(self._dirty) > 65536 + len(self._nodes) // 4:  # cheaper to rebuild the table
-            self._dirty.clear()
+        if len(self._dirty) + self._dirty_run_len > 65536 + len(self._nodes) // 4:
+            self._dirty.clear()  # cheaper to rebuild the table
+            self._dirty_runs = []
+            self._dirty_run_len = 0
             self._table_stale = True
+        # Stores whose effect on the nodes only adds bits are gathered (own hashes per
+        # tier) and merged into the nodes in bulk, before any other event and at the end.
+        pending: dict[int, list[int]] | None = {} if self._lru is None else None
         for i, event in enumerate(events):
             kind = type(event)
             if kind is BlockStored:
+                if pending is not None and self._defer_store(
+                    state,
+                    event,  # type: ignore[arg-type]
+                    prepared.get(i),
+                    pending,
+                ):
+                    continue
+                if pending:
+                    self._merge(state, pending)
                 self._store(state, event, prepared.get(i))  # type: ignore[arg-type]
-            elif kind is BlockRemoved:
+                continue
+            if pending:
+                self._merge(state, pending)
+            if kind is BlockRemoved:
                 self._remove(state, event)  # type: ignore[arg-type]
             elif kind is AllBlocksCleared:
                 self._clear(state)
             else:  # pragma: no cover - the event union is closed
                 raise AssertionError(f"unknown event type {kind.__name__}")
+        if pending:
+            self._merge(state, pending)
 
-    def _batch_values(self, events: Sequence[Any]) -> dict[int, tuple[list[int], int, int]]:
+    def _defer_store(
+        self,
+        state: _Stream,
+        event: BlockStored,
+        prepared: tuple[int, int, int] | None,
+        pending: dict[int, list[int]],
+    ) -> bool:
+        """Take the usual store (every block new and chained, or placeholders of known
+        blocks) for `_merge()`: its blocks enter the stream now, its holders later.
+        False (nothing done) for any other store."""
+        hashes = event.block_hashes
+        if not hashes:
+            return True
+        medium = event.medium
+        t = self._tier_index.get("GPU" if medium is None else medium)
+        if t is None or state.spans:
+            return False
+        blocks = state.blocks
+        if not event.token_ids:
+            found = list(map(blocks.get, _fold_all(hashes)))
+            if None in found:
+                return False
+            owns = cast("list[int]", found)
+        else:
+            if prepared is None or event.block_size != self.block_size or state.orphans:
+                return False
+            keys = _fold_all(hashes)
+            recent = state.recent
+            parent = event.parent_block_hash
+            if parent is None:
+                prev: int | None = self._hasher.root
+            else:
+                key = parent & _ENGINE_MASK if type(parent) is int else fold_engine_hash(parent)
+                prev = blocks.get(key)
+                if prev is None and recent:
+                    prev = recent.get(key)
+            if (
+                prev is None
+                or not blocks.keys().isdisjoint(keys)
+                or (recent and not recent.keys().isdisjoint(keys))
+            ):
+                return False
+            # The hashes of a run of chained stores are computed once, with numpy.
+            first, _, run_end = prepared
+            m = len(keys)
+            cache = self._run_cache
+            if cache is not None and cache[0] == first and cache[1] == prev:
+                chained, offset = cache[2], cache[3]
+            else:
+                chained = self._hasher.chain_values(prev, self._batch_fin[first:run_end])
+                offset = 0
+            owns = chained[offset : offset + m]
+            self._run_cache = (first + m, owns[-1], chained, offset + m)
+            blocks.update(zip(keys, owns, strict=True))
+            state.block_size = event.block_size
+        self._counts["blocks_stored"] += len(hashes)
+        held = pending.get(t)
+        if held is None:
+            pending[t] = owns
+        else:
+            held += owns
+        return True
+
+    def _merge(self, state: _Stream, pending: dict[int, list[int]]) -> None:
+        """Add `state`'s bit on tier t to the nodes of `pending[t]`, in bulk (a node named
+        twice, or held already on that tier, is referenced once more: counted in dups)."""
+        nodes = self._nodes
+        for t, owns in pending.items():
+            bit = state.bits[t]
+            if nodes.keys().isdisjoint(owns):  # blocks no stream holds yet: the usual case
+                before = len(nodes)
+                nodes.update(dict.fromkeys(owns, bit))
+                added = len(nodes) - before
+            else:
+                olds = list(map(nodes.get, owns, repeat(0)))
+                if any(map(operator.and_, olds, repeat(bit))):
+                    for o in owns:  # some held on this tier already: one at a time
+                        self._add(state, o, t)
+                    continue
+                merged = list(map(operator.or_, olds, repeat(bit)))
+                canon = self._canon.setdefault
+                fresh = dict(zip(owns, map(canon, merged, merged), strict=True))
+                nodes.update(fresh)
+                added = len(fresh)
+            self._dirty_runs.append(owns)
+            self._dirty_run_len += len(owns)
+            state.held[t] += added
+            if added != len(owns):  # a node named more than once: its repeats are dups
+                dups = state.dups
+                for o, count in Counter(owns).items():
+                    if count > 1:
+                        key = o | t << _TIER_SHIFT
+                        dups[key] = dups.get(key, 0) + count - 1
+        pending.clear()
+
+    def _batch_values(self, events: Sequence[Any]) -> dict[int, tuple[int, int, int]]:
         """The hash values of every index block of the batch's stores, in one numpy pass.
 
-        Returns event position -> (values, first, run end), for stores with tokens
-        of a block size the index maps: `values` has `block_size // index
-        block size` per engine block; `first` is where they start in the
-        batch's value array (kept in `self._batch_fin`), and `run end` where
+        Returns event position -> (first, count, run end), for stores with tokens
+        of a block size the index maps: their `count` values (`block_size //
+        index block size` per engine block) start at `first` in the batch's
+        value array (kept in `self._batch_fin`), and `run end` is where
         the run of stores chained one on the previous one ends (their hashes are
         then chained in one numpy pass).
         """
@@ -532,11 +652,11 @@ class PrefixIndex:
             v ^= salts
         fin = hasher.finish(v)
         self._batch_fin = fin
-        out: list[int] = fin.tolist()
+        self._batch_list = None
         result = {}
         end = n
         for (i, first, m), starts in zip(reversed(spans), reversed(run_starts), strict=True):
-            result[i] = (out[first : first + m], first, end)
+            result[i] = (first, m, end)
             if starts:
                 end = first
         return result
@@ -750,7 +870,7 @@ class PrefixIndex:
     # -- events ----------------------------------------------------------------------------
 
     def _store(
-        self, state: _Stream, event: BlockStored, prepared: tuple[list[int], int, int] | None
+        self, state: _Stream, event: BlockStored, prepared: tuple[int, int, int] | None
     ) -> None:
         hashes = event.block_hashes
         if not hashes:
@@ -775,7 +895,10 @@ class PrefixIndex:
             else:  # a block size the index cannot map
                 self._note(state, "wrong_block_size", len(hashes))
             return
-        values, first, run_end = prepared
+        first, m, run_end = prepared
+        if self._batch_list is None:
+            self._batch_list = self._batch_fin.tolist()
+        values: list[int] = self._batch_list[first : first + m]
         per = event.block_size // self._hasher.block_size
         state.block_size = event.block_size
         if per != 1:
@@ -1476,11 +1599,18 @@ class PrefixIndex:
         table = self._table if n >= self._table_min_blocks else None
         if table is not None:
             try:
+                bulk = self._dirty_runs
+                if bulk:
+                    self._dirty_runs = []
+                    self._dirty_run_len = 0
                 if self._table_stale:
                     self._table_stale = False
                     table.rebuild(self._nodes)
-                elif not table.sync(self._nodes):
-                    raise OverflowError
+                else:
+                    for run in bulk:
+                        self._dirty.update(dict.fromkeys(run))
+                    if not table.sync(self._nodes):
+                        raise OverflowError
             except OverflowError:  # holders wider than 64 bits: look up in the dict from now on
                 self._table = table = None
                 self._dirty = {}

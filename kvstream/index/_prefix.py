@@ -504,7 +504,11 @@ class PrefixIndex:
             return True
         medium = event.medium
         t = self._tier_index.get("GPU" if medium is None else medium)
-        if t is None or state.spans:
+        if t is None:
+            t = self._tier(medium)  # a new tier: only appended, the others keep their bits
+            if t < 0:
+                return False
+        if state.spans:
             return False
         blocks = state.blocks
         if not event.token_ids:
@@ -895,7 +899,7 @@ class PrefixIndex:
             else:  # a block size the index cannot map
                 self._note(state, "wrong_block_size", len(hashes))
             return
-        first, m, run_end = prepared
+        first, m, _ = prepared
         if self._batch_list is None:
             self._batch_list = self._batch_fin.tolist()
         values: list[int] = self._batch_list[first : first + m]
@@ -921,40 +925,6 @@ class PrefixIndex:
         canon = self._canon.setdefault
         bit = state.bits[t]
         lru = self._lru
-        if (
-            prev is not None
-            and per == 1
-            and lru is None
-            and not state.orphans
-            and not state.spans
-            and blocks.keys().isdisjoint(keys)
-            and not (recent and not recent.keys().isdisjoint(keys))
-        ):
-            # The usual event: every block new, its chain known. In bulk, in C where it can be;
-            # the hashes of a run of chained stores are computed once, with numpy.
-            m = len(values)
-            cache = self._run_cache
-            if cache is not None and cache[0] == first and cache[1] == prev:
-                chained, offset = cache[2], cache[3]
-            else:
-                chained = self._hasher.chain_values(prev, self._batch_fin[first:run_end])
-                offset = 0
-            owns = chained[offset : offset + m]
-            self._run_cache = (first + m, owns[-1], chained, offset + m)
-            blocks.update(zip(keys, owns, strict=True))
-            self._dirty.update(dict.fromkeys(owns))
-            olds = list(map(nodes.get, owns, repeat(0)))
-            if not any(olds):  # blocks no stream holds yet
-                nodes.update(dict.fromkeys(owns, bit))
-                state.held[t] += len(owns)
-            elif not any(map(operator.and_, olds, repeat(bit))):
-                merged = list(map(operator.or_, olds, repeat(bit)))
-                nodes.update(zip(owns, map(canon, merged, merged), strict=True))
-                state.held[t] += len(owns)
-            else:  # a block this tier holds under another engine hash: counted in dups
-                for o in owns:
-                    self._add(state, o, t)
-            return
         slot_tag = state.slot << 60
         added = 0
         for i, key in enumerate(keys):

@@ -85,6 +85,8 @@ _ENGINE_MASK: Final = (1 << 60) - 1
 _HASH_MASK: Final = (1 << 60) - 1
 _TIER_SHIFT: Final = 60  # dups key: own hash | tier << 60
 _EMPTY: Final[Mapping[str, int]] = MappingProxyType({})
+#: what a bulk store enters for a key before its own hash (own hashes are >= 0)
+_NEW: Final = -1
 
 #: `(origin, data_parallel_rank)`: what the index keys a stream by.
 StreamKey = tuple[str, int | None]
@@ -529,11 +531,7 @@ class PrefixIndex:
                 prev = blocks.get(key)
                 if prev is None and recent:
                     prev = recent.get(key)
-            if (
-                prev is None
-                or not blocks.keys().isdisjoint(keys)
-                or (recent and not recent.keys().isdisjoint(keys))
-            ):
+            if prev is None or (recent and not recent.keys().isdisjoint(keys)):
                 return False
             # The hashes of a run of chained stores are computed once, with numpy.
             first, _, run_end = prepared
@@ -545,8 +543,18 @@ class PrefixIndex:
                 chained = self._hasher.chain_values(prev, self._batch_fin[first:run_end])
                 offset = 0
             owns = chained[offset : offset + m]
-            self._run_cache = (first + m, owns[-1], chained, offset + m)
+            # One cold probe per block: a key not yet held is entered as _NEW (never an
+            # own hash); if some key was held, those entered are taken out again and the
+            # store is left to `_store()`.
+            before = len(blocks)
+            olds = list(map(blocks.setdefault, keys, repeat(_NEW)))
+            if len(blocks) - before != m:
+                for key, old in zip(keys, olds, strict=True):
+                    if old is _NEW:
+                        del blocks[key]
+                return False
             blocks.update(zip(keys, owns, strict=True))
+            self._run_cache = (first + m, owns[-1], chained, offset + m)
             state.block_size = event.block_size
         self._counts["blocks_stored"] += len(hashes)
         held = pending.get(t)

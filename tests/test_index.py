@@ -703,6 +703,22 @@ def test_repeats_within_one_batch_are_reference_counted() -> None:
     assert index.statistics().origins["a"].by_medium == {"CPU": 1}
 
 
+def test_a_block_held_before_the_batch_stored_again_under_a_new_hash_is_counted_once() -> None:
+    index = PrefixIndex(block_size=B)
+    feed = Feed(index)
+    feed(_stored([1, 2], T[:8]), _stored([3], T[:4], medium="CPU"))
+    feed(_stored([5, 6], T[:8]), _stored([4], T[:4], medium="CPU"))  # held on both tiers
+    assert index.statistics().origins["a"].by_medium == {"GPU": 2, "CPU": 1}
+    feed(
+        BlockRemoved(block_hashes=[1, 2], medium="GPU"),
+        BlockRemoved(block_hashes=[3], medium="CPU"),
+    )
+    assert index.statistics().origins["a"].by_medium == {"GPU": 2, "CPU": 1}
+    feed(BlockRemoved(block_hashes=[5, 6], medium="GPU"))
+    assert head(index.match(T)) == [PrefixMatch("a", 1, "CPU")]
+    assert index.statistics().unknown_removals == 0
+
+
 def test_removals_of_unknown_blocks_are_counted_and_ignored() -> None:
     index = PrefixIndex(block_size=B)
     feed = Feed(index)

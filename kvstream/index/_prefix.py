@@ -354,7 +354,7 @@ class PrefixIndex:
         self._batch_fin: Any = None
         #: the same as a list, made when a store needs it
         self._batch_list: list[int] | None = None
-        self._run_cache: tuple[int, int, list[int], int] | None = None
+        self._run_cache: tuple[int, int, list[int], int, bool] | None = None
         self._streams: dict[StreamKey, _Stream] = {}
         self._slots: list[_Stream | None] = []
         self._width = 8
@@ -538,23 +538,28 @@ class PrefixIndex:
             m = len(keys)
             cache = self._run_cache
             if cache is not None and cache[0] == first and cache[1] == prev:
-                chained, offset = cache[2], cache[3]
+                chained, offset, fresh = cache[2], cache[3], cache[4]
             else:
-                chained = self._hasher.chain_values(prev, self._batch_fin[first:run_end])
+                run = self._hasher.chain_array(prev, self._batch_fin[first:run_end])
+                chained = run.tolist()
                 offset = 0
+                # no own hash a cached small int: each is a new object, known by identity
+                fresh = bool(run.min() > 256)
             owns = chained[offset : offset + m]
-            # One cold probe per block: a key not yet held is entered as _NEW (never an
-            # own hash); if some key was held, those entered are taken out again and the
-            # store is left to `_store()`.
+            # One cold probe per block: a key not yet held is entered with its own hash
+            # (or _NEW, never an own hash); if some key was held, those entered are taken
+            # out again and the store is left to `_store()`.
             before = len(blocks)
-            olds = list(map(blocks.setdefault, keys, repeat(_NEW)))
+            marks: Any = owns if fresh else repeat(_NEW)
+            olds = list(map(blocks.setdefault, keys, marks))
             if len(blocks) - before != m:
-                for key, old in zip(keys, olds, strict=True):
-                    if old is _NEW:
+                for key, old, mark in zip(keys, olds, marks):  # noqa: B905 - marks may repeat
+                    if old is mark:
                         del blocks[key]
                 return False
-            blocks.update(zip(keys, owns, strict=True))
-            self._run_cache = (first + m, owns[-1], chained, offset + m)
+            if not fresh:
+                blocks.update(zip(keys, owns, strict=True))
+            self._run_cache = (first + m, owns[-1], chained, offset + m, fresh)
             state.block_size = event.block_size
         self._counts["blocks_stored"] += len(hashes)
         held = pending.get(t)

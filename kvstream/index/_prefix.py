@@ -31,6 +31,7 @@ import operator
 import struct
 import sys
 import time
+from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from itertools import repeat
@@ -612,32 +613,34 @@ class PrefixIndex:
         then chained in one numpy pass).
         """
         size = self._hasher.block_size
-        tokens: list[int] = []
+        parts: list[list[int]] = []
         spans: list[tuple[int, int, int]] = []  # (event position, first block, blocks)
         run_starts: list[bool] = []
         salted = False
         n = 0
+        last: Any = None  # the previous store kept here
         for i, event in enumerate(events):
             if type(event) is not BlockStored:
                 continue
             t = event.token_ids
-            if not t or event.block_size % size:
+            bs = event.block_size
+            if not t or bs % size:
                 continue
-            if len(t) != len(event.block_hashes) * event.block_size:
+            hashes = event.block_hashes
+            if len(t) != len(hashes) * bs:
                 continue  # skipped null blocks: see _store's skipped_blocks
             m = len(t) // size
-            if (
-                spans
-                and event.parent_block_hash is not None
-                and event.block_size == size
-                and events[spans[-1][0]].block_size == size
-                and event.parent_block_hash == events[spans[-1][0]].block_hashes[-1]
-            ):
-                run_starts.append(False)
-            else:
-                run_starts.append(True)
+            parent = event.parent_block_hash
+            run_starts.append(
+                last is None
+                or parent is None
+                or bs != size
+                or last.block_size != size
+                or parent != last.block_hashes[-1]
+            )
+            last = event
             spans.append((i, n, m))
-            tokens += t
+            parts.append(t)
             n += m
             if event.lora_name is not None or event.extra_keys is not None:
                 salted = True
@@ -645,7 +648,17 @@ class PrefixIndex:
             return {}
         hasher = self._hasher
         self._run_cache = None
-        data, wide = tokens_array(tokens, "BlockStored.token_ids")
+        data = array("I")
+        wide = False
+        tokens: list[int] = []
+        try:  # each list straight into the array (it is left unchanged on a bad token)
+            if sys.byteorder == "big":  # pragma: no cover - the hash reads little-endian words
+                raise TypeError
+            for t in parts:
+                data.fromlist(t)
+        except (OverflowError, TypeError):  # wide or bad tokens, or not lists: the general path
+            tokens = [x for t in parts for x in t]
+            data, wide = tokens_array(tokens, "BlockStored.token_ids")
         v = hasher.values(data, n)
         if salted or wide:
             import numpy as np
@@ -663,6 +676,7 @@ class PrefixIndex:
                     keys = []
                     for e in extra[: len(event.block_hashes)]:
                         keys.extend([split_lora(lora, e)] + [None] * (per - 1))
+                # the tokens are read for their high bits only: when some are wide
                 s = hasher.salts(tokens[first * size : (first + m) * size], m, lora, keys, wide)
                 if s is not None:
                     salts[first : first + m] = s

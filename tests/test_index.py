@@ -703,6 +703,20 @@ def test_repeats_within_one_batch_are_reference_counted() -> None:
     assert index.statistics().origins["a"].by_medium == {"CPU": 1}
 
 
+def test_a_store_naming_one_hash_twice_leaves_the_bulk_path_intact() -> None:
+    """Its first block is entered, then taken out again (the hash was held by then), and
+    the store goes block by block, as the reference has it: the second name is the first
+    block stored again. (The per-event bulk path before entered both blocks.)"""
+    index = PrefixIndex(block_size=B)
+    reference = Reference(B, remember=False)
+    batch = _batch(0, [_stored([1, 1], T[:8]), _stored([3], T[8:12], parent=1)])
+    index.apply(batch)
+    reference.apply(batch)
+    for tokens in (T[:4], T[:8], T[:12]):
+        assert index.match(tokens) == reference.match(tokens)
+    assert index.statistics().origins["a"].blocks == 2
+
+
 def test_a_block_held_before_the_batch_stored_again_under_a_new_hash_is_counted_once() -> None:
     index = PrefixIndex(block_size=B)
     feed = Feed(index)

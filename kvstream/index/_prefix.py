@@ -555,8 +555,8 @@ class PrefixIndex:
             olds = list(map(blocks.setdefault, keys, marks))
             if len(blocks) - before != m:
                 for key, old, mark in zip(keys, olds, marks):  # noqa: B905 - marks may repeat
-                    if old is mark:
-                        del blocks[key]
+                    if old is mark:  # entered now (pop: a key named twice is entered once)
+                        blocks.pop(key, None)
                 return False
             if not fresh:
                 blocks.update(zip(keys, owns, strict=True))

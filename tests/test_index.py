@@ -678,6 +678,61 @@ def test_the_same_block_stored_twice_is_reference_counted() -> None:
     assert stats.distinct_blocks == 0
 
 
+def test_repeats_within_one_batch_are_reference_counted() -> None:
+    """The stores of one batch are merged into the nodes together: a block named twice
+    on one tier there (again as a placeholder, or under a second engine hash) still
+    needs two removals, and a placeholder of a block stored earlier in the batch counts."""
+    index = PrefixIndex(block_size=B)
+    feed = Feed(index)
+    feed(
+        _stored([1, 2], T[:8]),
+        _stored([1], [], medium="GPU"),  # block 1 again on GPU: one more reference
+        _stored([7, 8], T[:8]),  # the same tokens under other engine hashes
+        _stored([2], [], medium="CPU"),
+    )
+    stats = index.statistics()
+    assert stats.origins["a"].by_medium == {"GPU": 2, "CPU": 1}
+    assert stats.distinct_blocks == 2
+    feed(BlockRemoved(block_hashes=[1, 2], medium="GPU"))
+    feed(BlockRemoved(block_hashes=[1], medium="GPU"))
+    assert head(index.match(T)) == [PrefixMatch("a", 2, "GPU")]  # 7, 8 hold them still
+    feed(BlockRemoved(block_hashes=[7, 8], medium="GPU"))
+    assert head(index.match(T)) == []  # block 2 left GPU; block 1 is on no tier
+    feed(BlockRemoved(block_hashes=[1], medium="GPU"))  # one reference too many
+    assert index.statistics().unknown_removals == 1
+    assert index.statistics().origins["a"].by_medium == {"CPU": 1}
+
+
+def test_a_store_naming_one_hash_twice_leaves_the_bulk_path_intact() -> None:
+    """Its first block is entered, then taken out again (the hash was held by then), and
+    the store goes block by block, as the reference has it: the second name is the first
+    block stored again. (The per-event bulk path before entered both blocks.)"""
+    index = PrefixIndex(block_size=B)
+    reference = Reference(B, remember=False)
+    batch = _batch(0, [_stored([1, 1], T[:8]), _stored([3], T[8:12], parent=1)])
+    index.apply(batch)
+    reference.apply(batch)
+    for tokens in (T[:4], T[:8], T[:12]):
+        assert index.match(tokens) == reference.match(tokens)
+    assert index.statistics().origins["a"].blocks == 2
+
+
+def test_a_block_held_before_the_batch_stored_again_under_a_new_hash_is_counted_once() -> None:
+    index = PrefixIndex(block_size=B)
+    feed = Feed(index)
+    feed(_stored([1, 2], T[:8]), _stored([3], T[:4], medium="CPU"))
+    feed(_stored([5, 6], T[:8]), _stored([4], T[:4], medium="CPU"))  # held on both tiers
+    assert index.statistics().origins["a"].by_medium == {"GPU": 2, "CPU": 1}
+    feed(
+        BlockRemoved(block_hashes=[1, 2], medium="GPU"),
+        BlockRemoved(block_hashes=[3], medium="CPU"),
+    )
+    assert index.statistics().origins["a"].by_medium == {"GPU": 2, "CPU": 1}
+    feed(BlockRemoved(block_hashes=[5, 6], medium="GPU"))
+    assert head(index.match(T)) == [PrefixMatch("a", 1, "CPU")]
+    assert index.statistics().unknown_removals == 0
+
+
 def test_removals_of_unknown_blocks_are_counted_and_ignored() -> None:
     index = PrefixIndex(block_size=B)
     feed = Feed(index)

@@ -31,7 +31,8 @@ import operator
 import struct
 import sys
 import time
-from collections import OrderedDict
+from array import array
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from itertools import repeat
 from types import EllipsisType, MappingProxyType
@@ -85,6 +86,8 @@ _ENGINE_MASK: Final = (1 << 60) - 1
 _HASH_MASK: Final = (1 << 60) - 1
 _TIER_SHIFT: Final = 60  # dups key: own hash | tier << 60
 _EMPTY: Final[Mapping[str, int]] = MappingProxyType({})
+#: what a bulk store enters for a key before its own hash (own hashes are >= 0)
+_NEW: Final = -1
 
 #: `(origin, data_parallel_rank)`: what the index keys a stream by.
 StreamKey = tuple[str, int | None]
@@ -342,11 +345,17 @@ class PrefixIndex:
         self._table: NodeTable | None = NodeTable() if lookup_table else None
         self._dirty: dict[int, None] = self._table.dirty if self._table is not None else {}
         self._table_stale = False
+        #: runs of own hashes changed in bulk (a batch's stores), folded into the dirty
+        #: keys before the next sync; dropped unread when the table is rebuilt instead
+        self._dirty_runs: list[list[int]] = []
+        self._dirty_run_len = 0
         #: prompts shorter than this look up in the dict (numpy's fixed costs are higher)
         self._table_min_blocks = 48
         #: the current batch's block values, and the last run of chained hashes computed
         self._batch_fin: Any = None
-        self._run_cache: tuple[int, int, list[int], int] | None = None
+        #: the same as a list, made when a store needs it
+        self._batch_list: list[int] | None = None
+        self._run_cache: tuple[int, int, list[int], int, bool] | None = None
         self._streams: dict[StreamKey, _Stream] = {}
         self._slots: list[_Stream | None] = []
         self._width = 8
@@ -450,57 +459,188 @@ class PrefixIndex:
         prepared = self._batch_values(events)
         if len(self._canon) > 65536:  # only an optimisation: start afresh
             self._canon = {}
-        if len(self._dirty) > 65536 + len(self._nodes) // 4:  # cheaper to rebuild the table
-            self._dirty.clear()
+        if len(self._dirty) + self._dirty_run_len > 65536 + len(self._nodes) // 4:
+            self._dirty.clear()  # cheaper to rebuild the table
+            self._dirty_runs = []
+            self._dirty_run_len = 0
             self._table_stale = True
+        # Stores whose effect on the nodes only adds bits are gathered (own hashes per
+        # tier) and merged into the nodes in bulk, before any other event and at the end.
+        pending: dict[int, list[int]] | None = {} if self._lru is None else None
         for i, event in enumerate(events):
             kind = type(event)
             if kind is BlockStored:
+                if pending is not None and self._defer_store(
+                    state,
+                    event,  # type: ignore[arg-type]
+                    prepared.get(i),
+                    pending,
+                ):
+                    continue
+                if pending:
+                    self._merge(state, pending)
                 self._store(state, event, prepared.get(i))  # type: ignore[arg-type]
-            elif kind is BlockRemoved:
+                continue
+            if pending:
+                self._merge(state, pending)
+            if kind is BlockRemoved:
                 self._remove(state, event)  # type: ignore[arg-type]
             elif kind is AllBlocksCleared:
                 self._clear(state)
             else:  # pragma: no cover - the event union is closed
                 raise AssertionError(f"unknown event type {kind.__name__}")
+        if pending:
+            self._merge(state, pending)
 
-    def _batch_values(self, events: Sequence[Any]) -> dict[int, tuple[list[int], int, int]]:
+    def _defer_store(
+        self,
+        state: _Stream,
+        event: BlockStored,
+        prepared: tuple[int, int, int] | None,
+        pending: dict[int, list[int]],
+    ) -> bool:
+        """Take the usual store (every block new and chained, or placeholders of known
+        blocks) for `_merge()`: its blocks enter the stream now, its holders later.
+        False (nothing done) for any other store."""
+        hashes = event.block_hashes
+        if not hashes:
+            return True
+        medium = event.medium
+        t = self._tier_index.get("GPU" if medium is None else medium)
+        if t is None:
+            t = self._tier(medium)  # a new tier: only appended, the others keep their bits
+            if t < 0:
+                return False
+        if state.spans:
+            return False
+        blocks = state.blocks
+        if not event.token_ids:
+            found = list(map(blocks.get, _fold_all(hashes)))
+            if None in found:
+                return False
+            owns = cast("list[int]", found)
+        else:
+            if prepared is None or event.block_size != self.block_size or state.orphans:
+                return False
+            keys = _fold_all(hashes)
+            recent = state.recent
+            parent = event.parent_block_hash
+            if parent is None:
+                prev: int | None = self._hasher.root
+            else:
+                key = parent & _ENGINE_MASK if type(parent) is int else fold_engine_hash(parent)
+                prev = blocks.get(key)
+                if prev is None and recent:
+                    prev = recent.get(key)
+            if prev is None or (recent and not recent.keys().isdisjoint(keys)):
+                return False
+            # The hashes of a run of chained stores are computed once, with numpy.
+            first, _, run_end = prepared
+            m = len(keys)
+            cache = self._run_cache
+            if cache is not None and cache[0] == first and cache[1] == prev:
+                chained, offset, fresh = cache[2], cache[3], cache[4]
+            else:
+                run = self._hasher.chain_array(prev, self._batch_fin[first:run_end])
+                chained = run.tolist()
+                offset = 0
+                # no own hash a cached small int: each is a new object, known by identity
+                fresh = bool(run.min() > 256)
+            owns = chained[offset : offset + m]
+            # One cold probe per block: a key not yet held is entered with its own hash
+            # (or _NEW, never an own hash); if some key was held, those entered are taken
+            # out again and the store is left to `_store()`.
+            before = len(blocks)
+            marks: Any = owns if fresh else repeat(_NEW)
+            olds = list(map(blocks.setdefault, keys, marks))
+            if len(blocks) - before != m:
+                for key, old, mark in zip(keys, olds, marks):  # noqa: B905 - marks may repeat
+                    if old is mark:  # entered now (pop: a key named twice is entered once)
+                        blocks.pop(key, None)
+                return False
+            if not fresh:
+                blocks.update(zip(keys, owns, strict=True))
+            self._run_cache = (first + m, owns[-1], chained, offset + m, fresh)
+            state.block_size = event.block_size
+        self._counts["blocks_stored"] += len(hashes)
+        held = pending.get(t)
+        if held is None:
+            pending[t] = owns
+        else:
+            held += owns
+        return True
+
+    def _merge(self, state: _Stream, pending: dict[int, list[int]]) -> None:
+        """Add `state`'s bit on tier t to the nodes of `pending[t]`, in bulk (a node named
+        twice, or held already on that tier, is referenced once more: counted in dups)."""
+        nodes = self._nodes
+        for t, owns in pending.items():
+            bit = state.bits[t]
+            if nodes.keys().isdisjoint(owns):  # blocks no stream holds yet: the usual case
+                before = len(nodes)
+                nodes.update(dict.fromkeys(owns, bit))
+                added = len(nodes) - before
+            else:
+                olds = list(map(nodes.get, owns, repeat(0)))
+                if any(map(operator.and_, olds, repeat(bit))):
+                    for o in owns:  # some held on this tier already: one at a time
+                        self._add(state, o, t)
+                    continue
+                merged = list(map(operator.or_, olds, repeat(bit)))
+                canon = self._canon.setdefault
+                fresh = dict(zip(owns, map(canon, merged, merged), strict=True))
+                nodes.update(fresh)
+                added = len(fresh)
+            self._dirty_runs.append(owns)
+            self._dirty_run_len += len(owns)
+            state.held[t] += added
+            if added != len(owns):  # a node named more than once: its repeats are dups
+                dups = state.dups
+                for o, count in Counter(owns).items():
+                    if count > 1:
+                        key = o | t << _TIER_SHIFT
+                        dups[key] = dups.get(key, 0) + count - 1
+        pending.clear()
+
+    def _batch_values(self, events: Sequence[Any]) -> dict[int, tuple[int, int, int]]:
         """The hash values of every index block of the batch's stores, in one numpy pass.
 
-        Returns event position -> (values, first, run end), for stores with tokens
-        of a block size the index maps: `values` has `block_size // index
-        block size` per engine block; `first` is where they start in the
-        batch's value array (kept in `self._batch_fin`), and `run end` where
+        Returns event position -> (first, count, run end), for stores with tokens
+        of a block size the index maps: their `count` values (`block_size //
+        index block size` per engine block) start at `first` in the batch's
+        value array (kept in `self._batch_fin`), and `run end` is where
         the run of stores chained one on the previous one ends (their hashes are
         then chained in one numpy pass).
         """
         size = self._hasher.block_size
-        tokens: list[int] = []
+        parts: list[list[int]] = []
         spans: list[tuple[int, int, int]] = []  # (event position, first block, blocks)
         run_starts: list[bool] = []
         salted = False
         n = 0
+        last: Any = None  # the previous store kept here
         for i, event in enumerate(events):
             if type(event) is not BlockStored:
                 continue
             t = event.token_ids
-            if not t or event.block_size % size:
+            bs = event.block_size
+            if not t or bs % size:
                 continue
-            if len(t) != len(event.block_hashes) * event.block_size:
+            hashes = event.block_hashes
+            if len(t) != len(hashes) * bs:
                 continue  # skipped null blocks: see _store's skipped_blocks
             m = len(t) // size
-            if (
-                spans
-                and event.parent_block_hash is not None
-                and event.block_size == size
-                and events[spans[-1][0]].block_size == size
-                and event.parent_block_hash == events[spans[-1][0]].block_hashes[-1]
-            ):
-                run_starts.append(False)
-            else:
-                run_starts.append(True)
+            parent = event.parent_block_hash
+            run_starts.append(
+                last is None
+                or parent is None
+                or bs != size
+                or last.block_size != size
+                or parent != last.block_hashes[-1]
+            )
+            last = event
             spans.append((i, n, m))
-            tokens += t
+            parts.append(t)
             n += m
             if event.lora_name is not None or event.extra_keys is not None:
                 salted = True
@@ -508,7 +648,17 @@ class PrefixIndex:
             return {}
         hasher = self._hasher
         self._run_cache = None
-        data, wide = tokens_array(tokens, "BlockStored.token_ids")
+        data = array("I")
+        wide = False
+        tokens: list[int] = []
+        try:  # each list straight into the array (it is left unchanged on a bad token)
+            if sys.byteorder == "big":  # pragma: no cover - the hash reads little-endian words
+                raise TypeError
+            for t in parts:
+                data.fromlist(t)
+        except (OverflowError, TypeError):  # wide or bad tokens, or not lists: the general path
+            tokens = [x for t in parts for x in t]
+            data, wide = tokens_array(tokens, "BlockStored.token_ids")
         v = hasher.values(data, n)
         if salted or wide:
             import numpy as np
@@ -526,17 +676,18 @@ class PrefixIndex:
                     keys = []
                     for e in extra[: len(event.block_hashes)]:
                         keys.extend([split_lora(lora, e)] + [None] * (per - 1))
+                # the tokens are read for their high bits only: when some are wide
                 s = hasher.salts(tokens[first * size : (first + m) * size], m, lora, keys, wide)
                 if s is not None:
                     salts[first : first + m] = s
             v ^= salts
         fin = hasher.finish(v)
         self._batch_fin = fin
-        out: list[int] = fin.tolist()
+        self._batch_list = None
         result = {}
         end = n
         for (i, first, m), starts in zip(reversed(spans), reversed(run_starts), strict=True):
-            result[i] = (out[first : first + m], first, end)
+            result[i] = (first, m, end)
             if starts:
                 end = first
         return result
@@ -750,7 +901,7 @@ class PrefixIndex:
     # -- events ----------------------------------------------------------------------------
 
     def _store(
-        self, state: _Stream, event: BlockStored, prepared: tuple[list[int], int, int] | None
+        self, state: _Stream, event: BlockStored, prepared: tuple[int, int, int] | None
     ) -> None:
         hashes = event.block_hashes
         if not hashes:
@@ -775,7 +926,10 @@ class PrefixIndex:
             else:  # a block size the index cannot map
                 self._note(state, "wrong_block_size", len(hashes))
             return
-        values, first, run_end = prepared
+        first, m, _ = prepared
+        if self._batch_list is None:
+            self._batch_list = self._batch_fin.tolist()
+        values: list[int] = self._batch_list[first : first + m]
         per = event.block_size // self._hasher.block_size
         state.block_size = event.block_size
         if per != 1:
@@ -798,40 +952,6 @@ class PrefixIndex:
         canon = self._canon.setdefault
         bit = state.bits[t]
         lru = self._lru
-        if (
-            prev is not None
-            and per == 1
-            and lru is None
-            and not state.orphans
-            and not state.spans
-            and blocks.keys().isdisjoint(keys)
-            and not (recent and not recent.keys().isdisjoint(keys))
-        ):
-            # The usual event: every block new, its chain known. In bulk, in C where it can be;
-            # the hashes of a run of chained stores are computed once, with numpy.
-            m = len(values)
-            cache = self._run_cache
-            if cache is not None and cache[0] == first and cache[1] == prev:
-                chained, offset = cache[2], cache[3]
-            else:
-                chained = self._hasher.chain_values(prev, self._batch_fin[first:run_end])
-                offset = 0
-            owns = chained[offset : offset + m]
-            self._run_cache = (first + m, owns[-1], chained, offset + m)
-            blocks.update(zip(keys, owns, strict=True))
-            self._dirty.update(dict.fromkeys(owns))
-            olds = list(map(nodes.get, owns, repeat(0)))
-            if not any(olds):  # blocks no stream holds yet
-                nodes.update(dict.fromkeys(owns, bit))
-                state.held[t] += len(owns)
-            elif not any(map(operator.and_, olds, repeat(bit))):
-                merged = list(map(operator.or_, olds, repeat(bit)))
-                nodes.update(zip(owns, map(canon, merged, merged), strict=True))
-                state.held[t] += len(owns)
-            else:  # a block this tier holds under another engine hash: counted in dups
-                for o in owns:
-                    self._add(state, o, t)
-            return
         slot_tag = state.slot << 60
         added = 0
         for i, key in enumerate(keys):
@@ -1476,11 +1596,18 @@ class PrefixIndex:
         table = self._table if n >= self._table_min_blocks else None
         if table is not None:
             try:
+                bulk = self._dirty_runs
+                if bulk:
+                    self._dirty_runs = []
+                    self._dirty_run_len = 0
                 if self._table_stale:
                     self._table_stale = False
                     table.rebuild(self._nodes)
-                elif not table.sync(self._nodes):
-                    raise OverflowError
+                else:
+                    for run in bulk:
+                        self._dirty.update(dict.fromkeys(run))
+                    if not table.sync(self._nodes):
+                        raise OverflowError
             except OverflowError:  # holders wider than 64 bits: look up in the dict from now on
                 self._table = table = None
                 self._dirty = {}

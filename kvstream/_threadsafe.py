@@ -225,30 +225,47 @@ class ThreadsafeHandle:
         scheduler's backlog, and `_dispatch_pending` tells the task to see them on).
         """
         entries = self._entries
-        scheduler = self._scheduler
-        dispatch = scheduler._dispatch
-        convert = self._convert
         for _ in range(_TURN):
             if not entries:
                 return True
             kind = entries[0][0]
             if kind == _EMIT:
-                scheduler._emit_from_thread(entries.popleft()[1])
+                self._scheduler._emit_from_thread(entries.popleft()[1])
                 continue
             if kind != _STEP:
                 return False
-            entry = entries.popleft()
-            self._taken += 1
-            if self._room_wanted:
-                self._room.set()
-            try:
-                batches = scheduler._seal_step(convert(entry[1]), entry[2], entry[3])
-                if batches and not dispatch.dispatch_now(batches):
-                    self._dispatch_pending = True
-                    return False
-            except Exception:
-                log.exception("a step handed over from a thread failed")
+            if not self._offer_step(entries.popleft()):
+                self._dispatch_pending = True
+                return False
         return not entries
+
+    def _offer_step(self, entry: tuple[Any, ...]) -> bool:
+        """Seal a step's batch and offer it to every sink, without waiting.
+
+        False when a full `block` sink left it in the scheduler's backlog: the
+        caller then sees it on with `_see_dispatched()`. A failing step is logged.
+        """
+        self._took_one()
+        scheduler = self._scheduler
+        try:
+            batches = scheduler._seal_step(self._convert(entry[1]), entry[2], entry[3])
+            return not batches or scheduler._dispatch.dispatch_now(batches)
+        except Exception:
+            log.exception("a step handed over from a thread failed")
+            return True
+
+    async def _see_dispatched(self) -> None:
+        """Wait until every batch in the scheduler's backlog reached every sink."""
+        try:
+            await self._scheduler._dispatch.wait_all()
+        except Exception:
+            log.exception("a step handed over from a thread failed")
+
+    def _took_one(self) -> None:
+        """A step or tick left the deque: an engine waiting for room may go on."""
+        self._taken += 1
+        if self._room_wanted:
+            self._room.set()
 
     def _wake(self) -> None:
         """On the loop: resume the loop side if it waits (a late wake finds nothing to do)."""
@@ -314,8 +331,6 @@ class ThreadsafeHandle:
         """Work through the hand-off deque in order until closed (one task, on the loop)."""
         entries = self._entries
         scheduler = self._scheduler
-        dispatch = scheduler._dispatch
-        convert = self._convert
         loop = self._loop
         try:
             while True:
@@ -324,21 +339,12 @@ class ThreadsafeHandle:
                     entry = entries.popleft()
                     kind = entry[0]
                     if kind == _STEP:
-                        self._taken += 1
-                        if self._room_wanted:
-                            self._room.set()
-                        try:
-                            batches = scheduler._seal_step(convert(entry[1]), entry[2], entry[3])
-                            if batches and not dispatch.dispatch_now(batches):
-                                await dispatch.wait_all()
-                        except Exception:
-                            log.exception("a step handed over from a thread failed")
+                        if not self._offer_step(entry):
+                            await self._see_dispatched()
                     elif kind == _EMIT:
                         scheduler._emit_from_thread(entry[1])
                     elif kind == _TICK:
-                        self._taken += 1
-                        if self._room_wanted:
-                            self._room.set()
+                        self._took_one()
                         future: concurrent.futures.Future[EventBatch | None] = entry[1]
                         try:
                             batch = await scheduler._tick_step(None, None, None)
@@ -372,10 +378,7 @@ class ThreadsafeHandle:
                         self._timer = None
                 if self._dispatch_pending:
                     self._dispatch_pending = False
-                    try:
-                        await dispatch.wait_all()
-                    except Exception:
-                        log.exception("a step handed over from a thread failed")
+                    await self._see_dispatched()
         finally:
             self._closed = True
             self._done.set()

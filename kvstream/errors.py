@@ -24,6 +24,8 @@ from __future__ import annotations
 import reprlib
 from typing import Final
 
+import orjson
+
 __all__ = [
     "ClosedError",
     "ConfigError",
@@ -92,8 +94,6 @@ def shorten(value: object, *, as_json: bool = False) -> str:
     `true`, `null`), anything JSON cannot write by its repr.
     """
     if as_json:
-        import orjson
-
         try:
             shown = orjson.dumps(value, default=repr).decode()
         except (TypeError, orjson.JSONEncodeError):  # too deep, or not a str key

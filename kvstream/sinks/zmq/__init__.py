@@ -58,7 +58,6 @@ from dataclasses import dataclass
 from typing import Any, Final, Self
 
 import anyio
-import anyio.lowlevel
 from anyio.abc import TaskGroup
 
 from kvstream._wire.broker import Heartbeat, Heartbeats

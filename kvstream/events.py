@@ -331,6 +331,15 @@ def _checked_extra_keys(event: str, extra: object, n_blocks: int) -> list[Any] |
     return out
 
 
+#: The default of the fields vLLM's wire always carries, even when null (a
+#: `BlockStored`'s `lora_id`, `medium` and `lora_name`, a `BlockRemoved`'s
+#: `medium`): msgspec's UNSET, which `__post_init__` turns into None. So the
+#: attribute reads None when not given, and msgspec, which omits a field only
+#: while it equals its default, writes it as vLLM does: the events encode to
+#: vLLM's map layout as they are (`kvstream.codecs.msgpack`), field for field.
+_WRITTEN_NONE: Any = msgspec.UNSET
+
+
 class KVCacheEvent(
     msgspec.Struct,
     kw_only=True,
@@ -353,20 +362,23 @@ class KVCacheEvent(
         )
 
 
-class BlockStored(KVCacheEvent, kw_only=True, frozen=True, gc=False):
+class BlockStored(KVCacheEvent, kw_only=True, frozen=True, gc=False, omit_defaults=True):
     """Blocks entered a tier (`medium`), chained on `parent_block_hash`.
 
     `token_ids` holds `block_size` tokens per block, or is empty with
     `block_size == 0` (vLLM's placeholder form, used by offloading connectors).
+    `lora_id`, `medium` and `lora_name` default to None (their signature
+    shows msgspec's `UNSET`, which the constructor turns into None: see
+    `kvstream.events` on encoding).
     """
 
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
     token_ids: list[int]
     block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
+    lora_id: int | None = _WRITTEN_NONE
+    medium: str | None = _WRITTEN_NONE
+    lora_name: str | None = _WRITTEN_NONE
     extra_keys: list[list[Any] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
@@ -379,6 +391,13 @@ class BlockStored(KVCacheEvent, kw_only=True, frozen=True, gc=False):
     def __post_init__(self) -> None:
         # The hot path of every engine step: bulk checks in C, the rest inline.
         name = "BlockStored"
+        unset = _WRITTEN_NONE
+        if self.lora_id is unset:
+            force_setattr(self, "lora_id", None)
+        if self.lora_name is unset:
+            force_setattr(self, "lora_name", None)
+        if self.medium is unset:
+            force_setattr(self, "medium", None)
         hashes = self.block_hashes
         if type(hashes) is list and hashes:
             try:
@@ -460,11 +479,11 @@ class BlockStored(KVCacheEvent, kw_only=True, frozen=True, gc=False):
             force_setattr(self, "metadata", validate_metadata(self.metadata, name))
 
 
-class BlockRemoved(KVCacheEvent, kw_only=True, frozen=True, gc=False):
-    """Blocks left a tier (`medium`)."""
+class BlockRemoved(KVCacheEvent, kw_only=True, frozen=True, gc=False, omit_defaults=True):
+    """Blocks left a tier (`medium`; None when not given, see `BlockStored`)."""
 
     block_hashes: list[BlockHash]
-    medium: str | None = None
+    medium: str | None = _WRITTEN_NONE
     group_idx: int | None = None
     locality: str | None = None
     metadata: dict[str, Any] | None = None
@@ -473,6 +492,8 @@ class BlockRemoved(KVCacheEvent, kw_only=True, frozen=True, gc=False):
 
     def __post_init__(self) -> None:
         name = "BlockRemoved"
+        if self.medium is _WRITTEN_NONE:
+            force_setattr(self, "medium", None)
         hashes = _checked_hashes(name, self.block_hashes)
         if hashes is not self.block_hashes:
             force_setattr(self, "block_hashes", hashes)
@@ -483,7 +504,7 @@ class BlockRemoved(KVCacheEvent, kw_only=True, frozen=True, gc=False):
             force_setattr(self, "metadata", validate_metadata(self.metadata, self.type_name))
 
 
-class AllBlocksCleared(KVCacheEvent, kw_only=True, frozen=True, gc=False):
+class AllBlocksCleared(KVCacheEvent, kw_only=True, frozen=True, gc=False, omit_defaults=True):
     """The engine's cache was reset. vLLM gives it no tier: consumers clear every tier."""
 
     metadata: dict[str, Any] | None = None

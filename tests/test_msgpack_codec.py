@@ -195,6 +195,96 @@ def test_metadata_left_out_unless_asked() -> None:
     assert with_meta.encode(plain) == MsgpackCodec().encode(plain)
 
 
+_OPTIONAL_STORED: dict[str, Any] = {
+    "lora_id": 3,
+    "medium": "CPU",
+    "lora_name": "adapter",
+    "extra_keys": [None, ["salt"]],
+    "group_idx": 1,
+    "kv_cache_spec_kind": "sliding_window",
+    "kv_cache_spec_sliding_window": 128,
+    "locality": "LOCAL",
+    "metadata": {"tenant": "t"},
+}
+
+
+def _vllm_bytes(batch: EventBatch) -> bytes:
+    """The batch as vLLM's own declarations write it (`tests/vllm_wire.py`), metadata left out."""
+    import vllm_wire as vllm
+
+    events = [vllm.to_vllm(e) for e in batch.events]
+    return _enc(vllm.KVEventBatch(batch.ts, events, batch.data_parallel_rank))
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["stored", "removed", "cleared"]),
+            # per optional field: left out, given as None, or set
+            st.lists(st.sampled_from(["out", "none", "set"]), min_size=9, max_size=9),
+        ),
+        max_size=6,
+    ),
+    st.sampled_from([None, 0, 3]),
+)
+def test_events_encode_as_vllm_declares_them(
+    shapes: list[tuple[str, list[str]]], rank: int | None
+) -> None:
+    # kvstream's events are encoded as they are (no wire struct per event): whatever
+    # was left out, given as None or set, the bytes are those of vLLM's declarations,
+    # lora_id, medium and lora_name always written, metadata never (unless asked).
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+    for kind, choice in shapes:
+        given_ = {
+            f: None if c == "none" else v
+            for (f, v), c in zip(_OPTIONAL_STORED.items(), choice, strict=True)
+            if c != "out"
+        }
+        if kind == "stored":
+            events.append(
+                BlockStored(
+                    block_hashes=[1, 2],
+                    parent_block_hash=7,
+                    token_ids=[5, 6, 7, 8],
+                    block_size=2,
+                    **given_,
+                )
+            )
+        elif kind == "removed":
+            keep = {
+                k: v
+                for k, v in given_.items()
+                if k in ("medium", "group_idx", "locality", "metadata")
+            }
+            events.append(BlockRemoved(block_hashes=[1], **keep))
+        else:
+            events.append(AllBlocksCleared(metadata=given_.get("metadata")))
+    batch = batch_of(*events, rank=rank)
+    assert MsgpackCodec().encode(batch) == _vllm_bytes(batch)
+    with_meta = MsgpackCodec(metadata=True)
+    assert with_meta.decode(with_meta.encode(batch)).events == batch.events
+    if all(e.metadata is None for e in events):
+        assert with_meta.encode(batch) == _vllm_bytes(batch)
+
+
+def test_fields_left_out_read_none() -> None:
+    # The wire's always-written fields default to msgspec's UNSET, turned into None.
+    e = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1], block_size=1)
+    assert (e.lora_id, e.medium, e.lora_name) == (None, None, None)
+    assert BlockRemoved(block_hashes=[1]).medium is None
+    assert e == BlockStored(
+        block_hashes=[1],
+        parent_block_hash=None,
+        token_ids=[1],
+        block_size=1,
+        lora_id=None,
+        medium=None,
+        lora_name=None,
+    )
+    assert msgspec.structs.replace(e, block_size=1).lora_id is None
+
+
 # -- decoding what vLLM versions produced ---------------------------------------------------
 
 _STORED_VALUES: list[Any] = [

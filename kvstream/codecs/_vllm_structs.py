@@ -220,3 +220,4 @@ TO_WIRE: Final[dict[tuple[str, bool], dict[type, ToWire]]] = {
 
 
 MAP_TO_WIRE: Final = TO_WIRE[("map", False)]
+MAP_META_TO_WIRE: Final = TO_WIRE[("map", True)]

@@ -52,6 +52,7 @@ not given). Bytes that are not a batch at all raise
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any, Final, Literal, TypeAlias, get_args
 
@@ -68,10 +69,10 @@ from kvstream.codecs._strict import (
     u64,
 )
 from kvstream.codecs._vllm_structs import (
+    MAP_META_TO_WIRE,
     MAP_TO_WIRE,
     TO_WIRE,
     MapBatchIn,
-    StoredMap,
     WireBatch,
 )
 from kvstream.codecs.base import Refusal
@@ -271,42 +272,25 @@ class MsgpackCodec:
         """The payload frame of `batch`: `[ts, events, data_parallel_rank]`."""
         if self.strict is not None:
             return self.encode_screened(batch)[0]
+        return self._payload(batch.ts, batch.events, batch.data_parallel_rank)
+
+    def _payload(self, ts: float, events: Sequence[Any], rank: int | None) -> bytes:
         to_wire = self._to_wire
-        if to_wire is MAP_TO_WIRE:
-            # The common case inline (vLLM's current wire): no call per BlockStored.
-            events: list[Any] = []
-            append = events.append
-            stored_map = StoredMap
-            for e in batch.events:
-                if type(e) is BlockStored:
-                    append(
-                        stored_map(
-                            e.block_hashes,
-                            e.parent_block_hash,
-                            e.token_ids,
-                            e.block_size,
-                            e.lora_id,
-                            e.medium,
-                            e.lora_name,
-                            e.extra_keys,
-                            e.group_idx,
-                            e.kv_cache_spec_kind,
-                            e.kv_cache_spec_sliding_window,
-                            e.locality,
-                        )
-                    )
-                else:
-                    convert = to_wire.get(type(e))
-                    if convert is None:
-                        raise TypeError(f"MsgpackCodec: expected a KV cache event, got {e!r:.80}")
-                    append(convert(e))
-            return _ENCODE(WireBatch(batch.ts, events, batch.data_parallel_rank))
+        if (to_wire is MAP_TO_WIRE or to_wire is MAP_META_TO_WIRE) and _KV_TYPES.issuperset(
+            map(type, events)
+        ):
+            # kvstream's events are laid out as vLLM's map events (`kvstream.events`),
+            # so they are encoded as they are: no wire struct per event.
+            if to_wire is MAP_TO_WIRE and list(map(_METADATA, events)).count(None) != len(events):
+                # metadata is not vLLM's: the events carrying it are written without it
+                events = [e if e.metadata is None else to_wire[type(e)](e) for e in events]
+            return _ENCODE(WireBatch(ts, events, rank))  # type: ignore[arg-type]
         try:
-            events = [to_wire[type(e)](e) for e in batch.events]
+            wire = [to_wire[type(e)](e) for e in events]
         except KeyError:
-            bad = next(e for e in batch.events if type(e) not in to_wire)
+            bad = next(e for e in events if type(e) not in to_wire)
             raise TypeError(f"MsgpackCodec: expected a KV cache event, got {bad!r:.80}") from None
-        return _ENCODE(WireBatch(batch.ts, events, batch.data_parallel_rank))
+        return _ENCODE(WireBatch(ts, wire, rank))
 
     def encode_screened(self, batch: EventBatch) -> tuple[bytes, tuple[Refusal, ...]]:
         """Encode `batch` through the strict screen; return the bytes and what was refused.
@@ -316,10 +300,7 @@ class MsgpackCodec:
         if self.strict is None:
             return self.encode(batch), ()
         kept, refused = self.screen(batch.events)
-        to_wire = self._to_wire
-        events = [to_wire[type(e)](e) for e in kept]
-        data = _ENCODE(WireBatch(batch.ts, events, batch.data_parallel_rank))
-        return data, refused
+        return self._payload(batch.ts, kept, batch.data_parallel_rank), refused
 
     def screen(
         self, events: Sequence[KVCacheEvent]
@@ -503,4 +484,8 @@ def _normalized(e: KVCacheEvent) -> KVCacheEvent:
 
 
 _ENCODE: Final = msgspec.msgpack.Encoder().encode
+#: The events `encode()` writes as they are in the map profile (exactly these
+#: types: a subclass may lay its fields out otherwise).
+_KV_TYPES: Final = frozenset((BlockStored, BlockRemoved, AllBlocksCleared))
+_METADATA: Final = operator.attrgetter("metadata")
 _DECODE_ANY: Final = msgspec.msgpack.Decoder().decode

@@ -361,22 +361,9 @@ class JsonCodec:
                     and metadata is None
                     and _INT.issuperset(map(type, hashes))
                 ):
-                    append(
-                        _Stored(
-                            hashes,
-                            parent,
-                            e.token_ids,
-                            e.block_size,
-                            e.lora_id,
-                            e.medium,
-                            e.lora_name,
-                            extra,
-                            e.group_idx,
-                            e.kv_cache_spec_kind,
-                            e.kv_cache_spec_sliding_window,
-                            e.locality,
-                        )
-                    )
+                    # Nothing to rewrite: the event is laid out as `_Stored` is (the
+                    # line's keys, in order, the same defaults left out), so as it is.
+                    append(e)
                     continue
             append(_event_line(e, decimal))
         line = (_DecimalLine if decimal else _Line)(

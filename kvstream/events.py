@@ -9,6 +9,14 @@ Events are immutable `msgspec.Struct` values. They are validated when they are
 made, at about the cost of serializing them: the bulk checks (every token id and
 hash an integer in range) run in C through `array`, and everything else is a
 handful of type checks.
+
+They are also laid out as vLLM's map events are (the same fields in the same
+order, `metadata` last, fields at their default left out), so the msgpack and
+JSON codecs encode them as they are, without a wire struct per event. vLLM
+writes `lora_id`, `medium` and `lora_name` even when null, and msgspec leaves a
+field out only while it equals its default: those fields default to msgspec's
+`UNSET`, which the constructor turns into None (the signature shows `UNSET`;
+the attribute reads None).
 """
 
 from __future__ import annotations
@@ -333,10 +341,8 @@ def _checked_extra_keys(event: str, extra: object, n_blocks: int) -> list[Any] |
 
 #: The default of the fields vLLM's wire always carries, even when null (a
 #: `BlockStored`'s `lora_id`, `medium` and `lora_name`, a `BlockRemoved`'s
-#: `medium`): msgspec's UNSET, which `__post_init__` turns into None. So the
-#: attribute reads None when not given, and msgspec, which omits a field only
-#: while it equals its default, writes it as vLLM does: the events encode to
-#: vLLM's map layout as they are (`kvstream.codecs.msgpack`), field for field.
+#: `medium`): msgspec's UNSET, which `__post_init__` turns into None (see the
+#: module doc).
 _WRITTEN_NONE: Any = msgspec.UNSET
 
 
@@ -368,8 +374,8 @@ class BlockStored(KVCacheEvent, kw_only=True, frozen=True, gc=False, omit_defaul
     `token_ids` holds `block_size` tokens per block, or is empty with
     `block_size == 0` (vLLM's placeholder form, used by offloading connectors).
     `lora_id`, `medium` and `lora_name` default to None (their signature
-    shows msgspec's `UNSET`, which the constructor turns into None: see
-    `kvstream.events` on encoding).
+    shows msgspec's `UNSET`, which the constructor turns into None: see the
+    module doc on encoding).
     """
 
     block_hashes: list[BlockHash]

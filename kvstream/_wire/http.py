@@ -1,7 +1,15 @@
 """The one HTTP/1.1 server under kvstream's HTTP endpoints (metrics, index queries).
 
-The protocol is h11's (a sans-IO HTTP/1.1 implementation); this module adds the
-I/O on anyio, and the limits every listener of kvstream documents and enforces:
+Requests are read by h11 (a strict sans-IO HTTP/1.1 implementation), except the
+common one whose head arrives whole (HTTP/1.1, one `Host`, at most a
+`Content-Length`): `kvstream._wire.http_head` reads that one with h11's own
+grammar and rules, and leaves every other request to h11, so both paths accept the
+same requests and read them alike; answers are h11's bytes either way. Each
+connection is an asyncio `Protocol` (`kvstream._wire.buffered_connection`) served
+by one task in the server's task group: reading stays on, writes go straight to
+the transport, and nothing outlives the server (every transport is closed and
+waited for, every task cancelled). This module adds the limits every listener of
+kvstream documents and enforces:
 
 * **connections**: at most `max_connections` at once. When a new one arrives at
   the limit, the connection idle the longest (keep-alive, or connected and silent)
@@ -21,8 +29,11 @@ I/O on anyio, and the limits every listener of kvstream documents and enforces:
   retried with backoff; the listener keeps serving.
 
 Malformed requests (conflicting or non-numeric `Content-Length`, bad header
-lines, ...) are refused by h11 and answered `400`. A handler that raises gets
-`500` (logged once per burst); the server goes on. Every refusal is counted in
+lines, ...) are refused by h11 and answered `400`. A handler that raises, or
+returns a response h11 would not send (a header with a line break, a body on a
+`204`), gets `500` (logged once per burst); the server goes on. A client that
+reads no answers is closed once the answers waiting for it pass the transport's
+high-water mark for `idle_timeout` seconds. Every refusal is counted in
 `HttpServer.statistics()`.
 """
 

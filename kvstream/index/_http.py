@@ -18,7 +18,7 @@ tokens as uint32 little-endian and options go in the query string
 bounded (head 16 KiB, body `max_request_bytes`); a malformed one gets a 4xx
 naming what was wrong. Connections are kept alive (HTTP/1.1) until the client
 closes, says `Connection: close`, or is idle for `idle_timeout` seconds. The
-HTTP layer is `kvstream._wire.http` (h11 under anyio, with its limits).
+HTTP layer is `kvstream._wire.http` (kvstream's one HTTP/1.1 server, with its limits).
 """
 
 from __future__ import annotations

@@ -413,3 +413,32 @@ async def _read_to_end(stream: SocketStream) -> bytes:
                 data += await stream.receive()
             except (anyio.EndOfStream, anyio.BrokenResourceError):
                 return data
+
+
+async def test_a_flood_of_pipelined_requests_is_read_in_bounded_steps_and_all_answered() -> None:
+    # Far more pipelined bytes than the connection buffers unread (head limit + 64 KiB):
+    # reading pauses while the handler is busy and resumes as requests are taken.
+    release = anyio.Event()
+    paths: list[str] = []
+
+    async def slow_then_fast(request: Request) -> Response:
+        await release.wait()
+        paths.append(request.path)
+        return Response(200, b"k")
+
+    limits = HttpLimits(head_bytes=1024)
+    requests = [f"GET /{i} HTTP/1.1\r\nHost: t\r\nX-Pad: {'p' * 200}\r\n\r\n" for i in range(2000)]
+    raw = "".join(requests).encode()
+    assert len(raw) > 4 * (1024 + 65536)
+    async with (
+        HttpServer(slow_then_fast, port=0, limits=limits) as server,
+        await anyio.connect_tcp("127.0.0.1", server.port) as stream,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(stream.send, raw)
+        await anyio.sleep(0.1)
+        release.set()
+        one = _h11_answer(requests[0].encode(), Response(200, b"k"))
+        answers = await _read_exactly(stream, len(one) * len(requests))
+        assert answers == one * len(requests)
+    assert paths == [f"/{i}" for i in range(2000)]

@@ -352,6 +352,9 @@ class HttpServer(TaskOwner):
             _, conn = await asyncio.get_running_loop().connect_accepted_socket(
                 lambda: BufferedConnection(limit), sock
             )
+        except OSError:
+            sock.close()
+            return  # gone before it was set up
         except BaseException:
             sock.close()
             raise
@@ -386,13 +389,13 @@ class HttpServer(TaskOwner):
                 del slots[slot]
                 slots[slot] = None
             if not conn.buffer:
-                if conn.eof:
-                    return
-                if not await conn.wait_data(self._now() + limits.idle_timeout):
-                    self._timeouts += 1
-                    return
-                if not conn.buffer:
-                    return  # closed between requests
+                deadline = self._now() + limits.idle_timeout
+                while not conn.buffer:
+                    if conn.eof:
+                        return  # closed between requests
+                    if not await conn.wait_data(deadline):
+                        self._timeouts += 1
+                        return
             slot.idle = False
             head = parse_head(conn.buffer)
             h11_conn = None

@@ -311,26 +311,25 @@ async def test_a_head_in_pieces_then_whole_ones_on_one_connection() -> None:
         assert server.statistics().requests == 4
 
 
-async def test_a_client_that_stops_sending_still_gets_its_answer() -> None:
-    async with (
-        HttpServer(_ok, port=0) as server,
-        await anyio.connect_tcp("127.0.0.1", server.port) as stream,
-    ):
-        await stream.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+async def _half_closed(port: int, raw: bytes) -> bytes:
+    """Send `raw`, then the end of the stream; everything answered until the server closes."""
+    async with await anyio.connect_tcp("127.0.0.1", port) as stream:
+        await stream.send(raw)
         await stream.send_eof()
-        expected = _h11_answer(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n", Response(200, b"ok"))
-        assert await _read_exactly(stream, len(expected)) == expected
+        return await _read_to_end(stream)
+
+
+async def test_a_client_that_stops_sending_still_gets_its_answer() -> None:
+    raw = b"GET / HTTP/1.1\r\nHost: t\r\n\r\n"
+    async with HttpServer(_ok, port=0) as server:
+        assert await _half_closed(server.port, raw) == _h11_answer(raw, Response(200, b"ok"))
         await wait_until(lambda: server.statistics().connections_open == 0)
 
 
 async def test_a_body_cut_short_by_the_client_is_refused_with_400() -> None:
-    async with (
-        HttpServer(_ok, port=0) as server,
-        await anyio.connect_tcp("127.0.0.1", server.port) as stream,
-    ):
-        await stream.send(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\nabc")
-        await stream.send_eof()
-        data = await _read_to_end(stream)
+    async with HttpServer(_ok, port=0) as server:
+        raw = b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\nabc"
+        data = await _half_closed(server.port, raw)
         assert data.startswith(b"HTTP/1.1 400 Bad Request\r\n")
         assert b"connection closed mid-body" in data
         assert server.statistics().errors == 1
@@ -442,3 +441,23 @@ async def test_a_flood_of_pipelined_requests_is_read_in_bounded_steps_and_all_an
         answers = await _read_exactly(stream, len(one) * len(requests))
         assert answers == one * len(requests)
     assert paths == [f"/{i}" for i in range(2000)]
+
+
+async def test_each_request_starts_a_new_idle_deadline() -> None:
+    # One timer serves the deadlines: it is moved only when it fires before the current
+    # one. Requests spaced well inside the idle timeout keep the connection open past it.
+    limits = HttpLimits(idle_timeout=1.0)
+    raw = b"GET / HTTP/1.1\r\nHost: t\r\n\r\n"
+    expected = _h11_answer(raw, Response(200, b"ok"))
+    async with (
+        HttpServer(_ok, port=0, limits=limits) as server,
+        await anyio.connect_tcp("127.0.0.1", server.port) as stream,
+    ):
+        for _ in range(8):  # 1.6 s in all
+            await stream.send(raw)
+            assert await _read_exactly(stream, len(expected)) == expected
+            await anyio.sleep(0.2)
+        assert server.statistics().timeouts == 0
+        assert await _read_to_end(stream) == b""  # then idle: closed
+        assert server.statistics().timeouts == 1
+        assert server.statistics().connections == 1

@@ -145,12 +145,16 @@ class BufferedConnection(asyncio.Protocol):
             self.transport.write(data)
 
     async def aclose(self, grace: float) -> None:
-        """Close once what was written has gone out, dropping it after `grace` seconds;
-        returns when the socket is closed. Run it shielded from cancellation."""
+        """Close once what was written has gone out, dropping it after `grace` seconds
+        (at once for 0); returns when the socket is closed. Run it shielded from
+        cancellation."""
         transport = self.transport
         if transport is None:
             return
-        transport.close()
+        if grace > 0:
+            transport.close()
+        else:
+            transport.abort()
         deadline = self._loop.time() + grace
         while not self.lost:
             if not await self._wait(deadline):

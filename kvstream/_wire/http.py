@@ -366,15 +366,18 @@ class HttpServer(TaskOwner):
                 # Refused before any request was read: the answer goes out raw.
                 refusal = self._error_format(503, "too many connections; try again later")
                 conn.write(_raw_response(503, refusal))
-                return
-            try:
-                with slot.scope:
-                    await self._requests_on(conn, slot)
-            finally:
-                self._slots.pop(slot, None)
-        finally:
+            else:
+                try:
+                    with slot.scope:
+                        await self._requests_on(conn, slot)
+                finally:
+                    self._slots.pop(slot, None)
+        except BaseException:  # the server is closing: drop what was not sent
             with anyio.CancelScope(shield=True):
-                await conn.aclose(_CLOSE_GRACE)
+                await conn.aclose(0.0)
+            raise
+        with anyio.CancelScope(shield=True):  # the last answer gets a moment to go out
+            await conn.aclose(_CLOSE_GRACE)
 
     async def _requests_on(self, conn: BufferedConnection, slot: _Slot) -> None:
         limits = self.limits

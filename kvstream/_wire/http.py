@@ -56,7 +56,7 @@ from anyio.streams.stapled import MultiListener
 from kvstream._backoff import Backoff
 from kvstream._burst_log import BurstLog
 from kvstream._wire.buffered_connection import BufferedConnection
-from kvstream._wire.http_head import Head, parse_head, response_head, valid_field
+from kvstream._wire.http_head import Head, parse_head, response_head, valid_field, valid_value
 from kvstream._wire.socket_security import bearer_authorized, check_listen_address
 from kvstream.errors import ClosedError, ConfigError, TransportError
 from kvstream.lifetime import LifetimeState, TaskOwner
@@ -455,7 +455,7 @@ class HttpServer(TaskOwner):
         if not bearer_authorized(head.headers.get("authorization"), self._token):
             self._unauthorized += 1
             raise _Refusal(401, "missing or wrong bearer token")
-        return Request(method=head.method, target=head.target, headers=head.headers, body=body)
+        return Request(head.method, head.target, head.headers, body)
 
     async def _read_request(
         self, conn: BufferedConnection, h11_conn: h11.Connection, slot: _Slot
@@ -563,15 +563,16 @@ class HttpServer(TaskOwner):
         """Write the response to a request `parse_head()` read, as h11 would write it;
         whether the connection goes on."""
         close = close or not self.keep_alive
-        headers = [
-            ("Content-Type", response.content_type),
-            ("Content-Length", str(len(response.body))),
-            *response.headers,
-        ]
-        if close:
-            headers.append(("Connection", "close"))
-        head = response_head(response.status, _REASONS.get(response.status, b""), headers)
-        conn.write(head if request.method == "HEAD" else head + response.body)
+        body = response.body
+        head = response_head(
+            response.status,
+            _REASONS.get(response.status, b""),
+            response.content_type,
+            len(body),
+            response.headers,
+            close=close,
+        )
+        conn.write(head if request.method == "HEAD" else head + body)
         return not close
 
     def _send_h11(
@@ -650,7 +651,9 @@ def _check_response(response: Response) -> None:
         raise ValueError(
             f"status {response.status}: expected no body, got {len(response.body)} bytes"
         )
-    for name, value in (("Content-Type", response.content_type), *response.headers):
+    if not valid_value(response.content_type):
+        raise ValueError(f"content type {response.content_type!r} is not a valid HTTP header")
+    for name, value in response.headers:
         if not valid_field(name, value):
             raise ValueError(f"header {name!r}: {value!r} is not a valid HTTP header")
 

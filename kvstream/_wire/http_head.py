@@ -18,19 +18,16 @@ from __future__ import annotations
 import re
 from typing import Final, NamedTuple
 
-__all__ = ["Head", "parse_head", "response_head", "valid_field"]
+__all__ = ["Head", "parse_head", "response_head", "valid_field", "valid_value"]
 
 # The grammar as h11 spells it (RFC 9110 / 9112): a token, a field value without
 # NUL or line breaks, a request target of visible ASCII.
 _TOKEN: Final = rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+"
 _FIELD_VALUE: Final = rb"(?:[^\x00\s]+(?:[ \t]+[^\x00\s]+)*)?"
-_HEADER_LINE: Final = _TOKEN + rb":[ \t]*" + _FIELD_VALUE + rb"[ \t]*\r\n"
 #: The request line, HTTP/1.1 only (h11 takes any `[0-9].[0-9]`; the rest go to it).
 _REQUEST_LINE: Final = re.compile(rb"(" + _TOKEN + rb") ([\x21-\x7e]+) HTTP/1\.1\r\n")
-#: Every header line, then the blank line; nothing else (no folding, no bare LF).
-_HEADER_BLOCK: Final = re.compile(rb"(?:" + _HEADER_LINE + rb")*\r\n")
-#: One header line, its name and value captured.
-_HEADER_FIELDS: Final = re.compile(rb"(" + _TOKEN + rb"):[ \t]*(" + _FIELD_VALUE + rb")[ \t]*\r\n")
+#: One header line, its name and value captured (no folding, no bare LF).
+_HEADER_LINE: Final = re.compile(rb"(" + _TOKEN + rb"):[ \t]*(" + _FIELD_VALUE + rb")[ \t]*\r\n")
 #: h11's Content-Length: digits only, at most 20 of them.
 _LENGTH: Final = re.compile(rb"[0-9]{1,20}")
 _NAME: Final = re.compile(_TOKEN)
@@ -63,17 +60,21 @@ def parse_head(data: bytes | bytearray) -> Head | None:
     line = _REQUEST_LINE.match(data)
     if line is None:
         return None
-    start = line.end()
     size = end + 4
-    if _HEADER_BLOCK.fullmatch(data, start, size) is None:
-        return None
+    blank = end + 2  # where the blank line starts: every header line ends before it
     headers: dict[str, str] = {}
     hosts = 0
     length = None
     close = False
-    for raw_name, raw_value in _HEADER_FIELDS.findall(data, start, size):
+    pos = line.end()
+    field = _HEADER_LINE.match
+    while pos < blank:
+        found = field(data, pos, size)
+        if found is None:
+            return None
+        pos = found.end()
+        raw_name, raw_value = found.groups()
         name = raw_name.lower().decode("ascii")
-        value = raw_value.decode("latin-1")
         if name == "host":
             hosts += 1
         elif name == "content-length":
@@ -85,40 +86,50 @@ def parse_head(data: bytes | bytearray) -> Head | None:
             close = close or any(t.strip().lower() == b"close" for t in raw_value.split(b","))
         elif name in _H11_ONLY:
             return None
-        headers[name] = value
-    if hosts != 1:
+        headers[name] = raw_value.decode("latin-1")
+    if pos != blank or hosts != 1:
         return None
     method = line[1].decode("ascii")
     if method == "CONNECT":
         return None
-    return Head(
-        method=method,
-        target=line[2].decode("ascii"),
-        headers=headers,
-        size=size,
-        length=length or 0,
-        close=close,
-    )
+    return Head(method, line[2].decode("ascii"), headers, size, length or 0, close)
+
+
+def valid_value(value: str) -> bool:
+    """Whether a response header's value is one h11 would send: ASCII, no NUL, no line
+    break."""
+    return value.isascii() and _VALUE.fullmatch(value.encode("ascii")) is not None
 
 
 def valid_field(name: str, value: str) -> bool:
-    """Whether a response header is one h11 would send: ASCII, a token for a name, a
-    field value (no NUL, no line break) for a value."""
-    try:
-        raw_name, raw_value = name.encode("ascii"), value.encode("ascii")
-    except UnicodeEncodeError:
-        return False
-    return _NAME.fullmatch(raw_name) is not None and _VALUE.fullmatch(raw_value) is not None
+    """Whether a response header is one h11 would send: a token for a name (ASCII), a
+    valid value (`valid_value()`)."""
+    return (
+        name.isascii()
+        and _NAME.fullmatch(name.encode("ascii")) is not None
+        and (valid_value(value))
+    )
 
 
 def response_head(
     status: int,
     reason: bytes,
-    headers: list[tuple[str, str]],
+    content_type: str,
+    length: int,
+    headers: tuple[tuple[str, str], ...] = (),
+    *,
+    close: bool = False,
 ) -> bytes:
-    """The status line and `headers` as h11 writes them (in order, a blank line after);
-    the caller has checked them with `valid_field()`."""
-    lines = [b"HTTP/1.1 %d %s" % (status, reason)]
-    lines.extend(f"{name}: {value}".encode("ascii") for name, value in headers)
-    lines.append(b"\r\n")
-    return b"\r\n".join(lines)
+    """The status line and headers as h11 writes them for kvstream's answers:
+    `Content-Type`, `Content-Length`, `headers` in order, `Connection: close` last when
+    `close`, then the blank line. The caller has checked them (`valid_value()`,
+    `valid_field()`)."""
+    head = b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n" % (
+        status,
+        reason,
+        content_type.encode("ascii"),
+        length,
+    )
+    for name, value in headers:
+        head += f"{name}: {value}\r\n".encode("ascii")
+    return head + (b"Connection: close\r\n\r\n" if close else b"\r\n")

@@ -151,7 +151,7 @@ class QueryServer(TaskOwner):
         return Response(status, orjson.dumps(body), "application/json", headers)
 
     def _route(self, request: Request) -> tuple[int, Any]:
-        path = request.target.partition("?")[0]
+        path, _, query = request.target.partition("?")
         method = _ROUTES.get(path)
         if method is None:
             raise _HttpError(404, f"no route {path!r}; expected POST /match or GET /stats")
@@ -160,7 +160,7 @@ class QueryServer(TaskOwner):
         if path == "/stats":
             return 200, self._stats()
         content_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-        return 200, self._match(request.body, content_type, request.query)
+        return 200, self._match(request.body, content_type, query)
 
     def _stats(self) -> Any:
         stats = self.index.statistics()

@@ -15,7 +15,9 @@ rounds): the whole round trip, the handler alone as the server ran it (`QuerySer
 request handler, from the parsed request to the response record), the index call
 (`match()` or `match_bytes()`) inside it, and the same index call on the same prompts
 back to back, outside the server. `--untimed` leaves the clock out of the server (for
-a profiler: reading the CPU clock is a system call, which samplers overweight).
+a profiler: reading the CPU clock is a system call, which samplers overweight);
+`--immediate` serves a handler that answers at once, with the index's answer made
+before, for the cost of the HTTP layer alone.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import orjson
 
 from kvstream._bench.http_client import connect, message_end
 from kvstream._bench.index_measure import Corpus
-from kvstream._wire.http import Request, Response
+from kvstream._wire.http import HttpServer, Request, Response
 from kvstream.index import PrefixIndex
 from kvstream.index._http import QueryServer
 
@@ -78,6 +80,11 @@ def main() -> int:
     p.add_argument("--body", choices=("json", "binary"), default="binary")
     p.add_argument("--client", choices=("lean", "anyio"), default="lean")
     p.add_argument("--untimed", action="store_true", help="no clock in the server")
+    p.add_argument(
+        "--immediate",
+        action="store_true",
+        help="a handler answering at once (the index's answer, made before): HTTP alone",
+    )
     args = p.parse_args()
     corpus = Corpus(args.blocks)
     index = PrefixIndex(block_size=16)
@@ -114,7 +121,20 @@ def main() -> int:
             calls.append(server.index_seconds / n)
 
     async def run() -> None:
-        server: Any = QueryServer(index, port=0) if args.untimed else _TimedServer(index)
+        server: Any
+        if args.immediate:
+            first = Request("POST", "/match", {"content-type": kind}, bodies[0])
+            answer = await QueryServer(index)._handle(first)
+            assert answer.status == 200, answer
+
+            async def at_once(request: Request) -> Response:
+                return answer
+
+            server = HttpServer(at_once, port=0)
+        elif args.untimed:
+            server = QueryServer(index, port=0)
+        else:
+            server = _TimedServer(index)
         async with server:
             if args.client == "lean":
                 async with connect(server.port) as client:
@@ -149,8 +169,8 @@ def main() -> int:
         f"blocks, 8192 tokens, CPU µs per request (median of {args.repeat}): round trip "
         f"{1e6 * statistics.median(totals):.0f}; "
         + (
-            "the server untimed"
-            if args.untimed
+            ("a handler answering at once" if args.immediate else "the server untimed")
+            if args.untimed or args.immediate
             else f"the handler in the server {1e6 * statistics.median(handlers):.0f}, "
             f"the index call in it {1e6 * statistics.median(calls):.0f}"
         )

@@ -17,7 +17,8 @@ request handler, from the parsed request to the response record), the index call
 back to back, outside the server. `--untimed` leaves the clock out of the server (for
 a profiler: reading the CPU clock is a system call, which samplers overweight);
 `--immediate` serves a handler that answers at once, with the index's answer made
-before, for the cost of the HTTP layer alone.
+before, for the cost of the HTTP layer alone; `--uvloop` runs it all on uvloop (not a
+dependency of kvstream: install it apart to compare).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ def main() -> int:
         action="store_true",
         help="a handler answering at once (the index's answer, made before): HTTP alone",
     )
+    p.add_argument("--uvloop", action="store_true", help="on uvloop (installed apart)")
     args = p.parse_args()
     corpus = Corpus(args.blocks)
     index = PrefixIndex(block_size=16)
@@ -151,7 +153,7 @@ def main() -> int:
 
                 await run_with(round_trip, server)
 
-    anyio.run(run)
+    anyio.run(run, backend_options={"use_uvloop": True} if args.uvloop else {})
     for name in ("match", "match_bytes"):  # the index's own calls again, unwrapped
         vars(index).pop(name, None)
     loop: list[float] = []
@@ -165,7 +167,8 @@ def main() -> int:
         loop.append((clock() - started) / n)
     call = "match_bytes()" if binary else "match(list)"
     print(
-        f"{args.body} body, {args.client} client, {index.statistics().distinct_blocks:,} "
+        f"{args.body} body, {args.client} client{', uvloop' if args.uvloop else ''}, "
+        f"{index.statistics().distinct_blocks:,} "
         f"blocks, 8192 tokens, CPU µs per request (median of {args.repeat}): round trip "
         f"{1e6 * statistics.median(totals):.0f}; "
         + (

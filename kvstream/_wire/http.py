@@ -159,7 +159,8 @@ class HttpServerStatistics(NamedTuple):
     connections_refused: int
     #: Idle connections (or ones still sending their head) closed to make room.
     connections_evicted: int
-    #: Heads or bodies not complete in time (408), idle keep-alives closed.
+    #: Heads or bodies not complete in time (408), idle keep-alives closed, clients
+    #: that read no answers closed.
     timeouts: int
     #: Requests refused for their size (413, 431).
     too_large: int

@@ -54,7 +54,7 @@ def _h11_reading(raw: bytes) -> Reading | None:
 
 
 def _fast_reading(raw: bytes) -> Reading | None:
-    head = parse_head(raw)
+    head = parse_head(raw, 16 * 1024)
     if head is None:
         return None
     return head.method, head.target, head.headers, head.length, head.close
@@ -113,7 +113,14 @@ def test_common_heads_are_read_here_exactly_as_h11_reads_them(raw: bytes) -> Non
 
 @pytest.mark.parametrize("raw", _LEFT_TO_H11)
 def test_everything_else_is_left_to_h11(raw: bytes) -> None:
-    assert parse_head(raw) is None
+    assert parse_head(raw, 16 * 1024) is None
+
+
+def test_a_head_past_the_limit_is_left_to_h11_which_refuses_it() -> None:
+    raw = b"GET / HTTP/1.1\r\nHost: t\r\nX-Pad: " + b"p" * 100 + b"\r\n\r\nbody"
+    size = raw.index(b"body")
+    assert parse_head(raw, size) is not None
+    assert parse_head(raw, size - 1) is None  # not even read: h11 answers 431 for it
 
 
 _REQUEST_LINES = [
@@ -248,7 +255,7 @@ _ANSWERS = [
 async def test_the_server_answers_with_the_bytes_h11_writes(
     raw: bytes, response: Response, keep_alive: bool
 ) -> None:
-    assert parse_head(raw) is not None  # this is the path under test
+    assert parse_head(raw, 16 * 1024) is not None  # this is the path under test
 
     async def answer(request: Request) -> Response:
         return response

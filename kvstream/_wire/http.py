@@ -401,7 +401,7 @@ class HttpServer(TaskOwner):
                         self._timeouts += 1
                         return
             slot.idle = False
-            head = parse_head(conn.buffer)
+            head = parse_head(conn.buffer, limits.head_bytes)
             h11_conn = None
             request: Request | None
             try:
@@ -434,10 +434,7 @@ class HttpServer(TaskOwner):
 
     async def _read_body(self, conn: BufferedConnection, head: Head) -> Request:
         """The body of a request whose head `parse_head()` read (at the buffer's start)."""
-        limits = self.limits
-        if head.size > limits.head_bytes:
-            self._too_large += 1
-            raise _Refusal(431, f"request head larger than {limits.head_bytes} bytes")
+        limits = self.limits  # the head is within limits.head_bytes: parse_head() saw to it
         if head.length > limits.body_bytes:
             self._too_large += 1
             raise _Refusal(

@@ -50,11 +50,11 @@ class Head(NamedTuple):
     close: bool
 
 
-def parse_head(data: bytes | bytearray) -> Head | None:
-    """The head at the start of `data` if it is complete there and in the subset read
-    here; `None` when h11 must read it (incomplete, outside the subset, or malformed:
-    h11 then gives its own answer)."""
-    end = data.find(b"\r\n\r\n")
+def parse_head(data: bytes | bytearray, limit: int) -> Head | None:
+    """The head at the start of `data` if it is complete there within `limit` bytes and
+    in the subset read here; `None` when h11 must read it (incomplete, longer, outside
+    the subset, or malformed: h11 then gives its own answer)."""
+    end = data.find(b"\r\n\r\n", 0, limit)  # the whole head within the limit, or h11's
     if end < 0:
         return None
     line = _REQUEST_LINE.match(data)

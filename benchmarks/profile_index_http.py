@@ -1,17 +1,24 @@
-"""Where an HTTP `/match` round trip's time goes: the handler inside the server, against
-the same calls in a tight loop.
+"""Where an HTTP `/match` round trip's time goes: the handler and the index call inside
+the server, against the same calls in a tight loop.
 
     python benchmarks/profile_index_http.py [--blocks 100000] [--requests 2000] [--body binary]
-    py-spy record -f raw -r 2000 -o http.txt -- python benchmarks/profile_index_http.py
+        [--client lean|anyio]
+    py-spy record -f raw -r 2000 -o http.txt -- python benchmarks/profile_index_http.py --untimed
     python benchmarks/pyspy_top.py http.txt --within "_connection (kvstream/_wire/http.py"
 
 Serves an index of `--blocks` blocks (the corpus of `benchmarks/bench_index.py`) on
 loopback and sends it `--requests` kept-alive 8k-token queries (`--body json` or
-`binary`) from a client in the same event loop. Prints, per request and in CPU time
-(medians of `--repeat` rounds): the whole round trip, the handler alone as the server
-ran it (`QueryServer`'s request handler, from the parsed request to the response
-record), and the same index call (`match()` or `match_bytes()`) on the same prompts back
-to back, outside the server.
+`binary`) from a client in the same event loop (`--client lean`: on an asyncio
+`Protocol`, `kvstream._bench.http_client`; `anyio`: anyio's socket stream, the
+benchmark's other client). Prints, per request and in CPU time (medians of `--repeat`
+rounds): the whole round trip, the handler alone as the server ran it (`QueryServer`'s
+request handler, from the parsed request to the response record), the index call
+(`match()` or `match_bytes()`) inside it, and the same index call on the same prompts
+back to back, outside the server. `--untimed` leaves the clock out of the server (for
+a profiler: reading the CPU clock is a system call, which samplers overweight);
+`--immediate` serves a handler that answers at once, with the index's answer made
+before, for the cost of the HTTP layer alone; `--uvloop` runs it all on uvloop (not a
+dependency of kvstream: install it apart to compare).
 """
 
 from __future__ import annotations
@@ -21,12 +28,15 @@ import random
 import statistics
 import time
 from array import array
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 import orjson
 
+from kvstream._bench.http_client import connect, message_end
 from kvstream._bench.index_measure import Corpus
-from kvstream._wire.http import Request, Response
+from kvstream._wire.http import HttpServer, Request, Response
 from kvstream.index import PrefixIndex
 from kvstream.index._http import QueryServer
 
@@ -34,9 +44,26 @@ clock = time.process_time
 
 
 class _TimedServer(QueryServer):
-    """The index's server, adding up the CPU time of its request handler."""
+    """The index's server, adding up the CPU time of its request handler and of the
+    index call in it."""
 
     handler_seconds = 0.0
+    index_seconds = 0.0
+
+    def __init__(self, index: PrefixIndex) -> None:
+        super().__init__(index, port=0)
+        for name in ("match", "match_bytes"):
+            setattr(index, name, self._timed(getattr(index, name)))
+
+    def _timed(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = clock()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.index_seconds += clock() - started
+
+        return timed
 
     async def _handle(self, request: Request) -> Response:
         started = clock()
@@ -52,6 +79,14 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=2000, help="requests per round (2000)")
     p.add_argument("--repeat", type=int, default=3, help="rounds (3)")
     p.add_argument("--body", choices=("json", "binary"), default="binary")
+    p.add_argument("--client", choices=("lean", "anyio"), default="lean")
+    p.add_argument("--untimed", action="store_true", help="no clock in the server")
+    p.add_argument(
+        "--immediate",
+        action="store_true",
+        help="a handler answering at once (the index's answer, made before): HTTP alone",
+    )
+    p.add_argument("--uvloop", action="store_true", help="on uvloop (installed apart)")
     args = p.parse_args()
     corpus = Corpus(args.blocks)
     index = PrefixIndex(block_size=16)
@@ -73,36 +108,54 @@ def main() -> int:
     n = args.requests
     totals: list[float] = []
     handlers: list[float] = []
+    calls: list[float] = []
+
+    async def run_with(round_trip: Callable[[bytes], Awaitable[None]], server: Any) -> None:
+        for raw in raws[:50]:  # warm-up
+            await round_trip(raw)
+        for _ in range(args.repeat):
+            server.handler_seconds = server.index_seconds = 0.0
+            started = clock()
+            for i in range(n):
+                await round_trip(raws[i % len(raws)])
+            totals.append((clock() - started) / n)
+            handlers.append(server.handler_seconds / n)
+            calls.append(server.index_seconds / n)
 
     async def run() -> None:
-        async with _TimedServer(index, port=0) as server:
-            stream = await anyio.connect_tcp("127.0.0.1", server.port)
-            async with stream:
+        server: Any
+        if args.immediate:
+            first = Request("POST", "/match", {"content-type": kind}, bodies[0])
+            answer = await QueryServer(index)._handle(first)
+            assert answer.status == 200, answer
+
+            async def at_once(request: Request) -> Response:
+                return answer
+
+            server = HttpServer(at_once, port=0)
+        elif args.untimed:
+            server = QueryServer(index, port=0)
+        else:
+            server = _TimedServer(index)
+        async with server:
+            if args.client == "lean":
+                async with connect(server.port) as client:
+                    await run_with(client.round_trip, server)
+                return
+            async with await anyio.connect_tcp("127.0.0.1", server.port) as stream:
                 buffer = bytearray()
 
                 async def round_trip(raw: bytes) -> None:
                     await stream.send(raw)
-                    while True:
-                        end = buffer.find(b"\r\n\r\n")
-                        if end >= 0:
-                            head = bytes(buffer[:end]).lower()
-                            length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
-                            if len(buffer) >= end + 4 + length:
-                                del buffer[: end + 4 + length]
-                                return
+                    while (end := message_end(buffer)) < 0:
                         buffer.extend(await stream.receive(1 << 20))
+                    del buffer[:end]
 
-                for raw in raws[:50]:  # warm-up
-                    await round_trip(raw)
-                for _ in range(args.repeat):
-                    server.handler_seconds = 0.0
-                    started = clock()
-                    for i in range(n):
-                        await round_trip(raws[i % len(raws)])
-                    totals.append((clock() - started) / n)
-                    handlers.append(server.handler_seconds / n)
+                await run_with(round_trip, server)
 
-    anyio.run(run)
+    anyio.run(run, backend_options={"use_uvloop": True} if args.uvloop else {})
+    for name in ("match", "match_bytes"):  # the index's own calls again, unwrapped
+        vars(index).pop(name, None)
     loop: list[float] = []
     for _ in range(args.repeat):
         started = clock()
@@ -114,11 +167,17 @@ def main() -> int:
         loop.append((clock() - started) / n)
     call = "match_bytes()" if binary else "match(list)"
     print(
-        f"{args.body} body, {index.statistics().distinct_blocks:,} blocks, 8192 tokens, "
-        f"CPU µs per request (median of {args.repeat}): round trip "
-        f"{1e6 * statistics.median(totals):.0f}; the handler in the server "
-        f"{1e6 * statistics.median(handlers):.0f}; {call} back to back "
-        f"{1e6 * statistics.median(loop):.0f}"
+        f"{args.body} body, {args.client} client{', uvloop' if args.uvloop else ''}, "
+        f"{index.statistics().distinct_blocks:,} "
+        f"blocks, 8192 tokens, CPU µs per request (median of {args.repeat}): round trip "
+        f"{1e6 * statistics.median(totals):.0f}; "
+        + (
+            ("a handler answering at once" if args.immediate else "the server untimed")
+            if args.untimed or args.immediate
+            else f"the handler in the server {1e6 * statistics.median(handlers):.0f}, "
+            f"the index call in it {1e6 * statistics.median(calls):.0f}"
+        )
+        + f"; {call} back to back {1e6 * statistics.median(loop):.0f}"
     )
     return 0
 

@@ -376,12 +376,18 @@ def bench_http(corpus: Corpus, queries: int) -> dict[str, Any]:
     which sends pre-encoded requests and reads each response whole without
     parsing it, in the benchmark's clock (CPU time by default, the kernel's
     loopback work included): what is left over the in-process call is the
-    server's HTTP work, the client's and the loop's turns.
+    server's HTTP work, the client's and the loop's turns. Two clients: anyio's
+    socket stream (`http_*`, `echo_*`), and for the binary body a client on an
+    asyncio `Protocol` (`*_lean_*`, `kvstream._bench.http_client`), which adds
+    less of its own. Each has its floor in the same run: a bare echo server
+    answering the same bytes with a response of the same size (anyio's stream
+    for the first, a `Protocol` for the second).
     """
     import anyio
     import orjson
     from anyio.abc import SocketAttribute
 
+    from kvstream._bench.http_client import connect, echo_server
     from kvstream.index._http import QueryServer
 
     index = PrefixIndex(block_size=BLOCK)
@@ -470,14 +476,35 @@ def bench_http(corpus: Corpus, queries: int) -> dict[str, Any]:
                         return
                 await stream.send(canned)
 
+    async def measure_lean(port: int, prefix: str) -> None:
+        async with connect(port) as client:
+            for raw in binary_requests[:20]:  # warm-up
+                await client.round_trip(raw)
+            p50s = []
+            for _ in range(3):
+                lat = []
+                for raw in binary_requests:
+                    started = clock()
+                    await client.round_trip(raw)
+                    lat.append(clock() - started)
+                p50s.append(_percentile(lat, 0.5))
+            out[f"{prefix}_binary_lean_p50_us"] = 1e6 * _median(p50s)
+
     async def run() -> None:
         async with QueryServer(index, port=0) as server:
             await measure(server.port, "http")
+            await measure_lean(server.port, "http")
         listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
         async with listener, anyio.create_task_group() as tg:
             tg.start_soon(listener.serve, echo)
             await measure(listener.extra(SocketAttribute.local_port), "echo")
             tg.cancel_scope.cancel()
+        lean_echo = await echo_server(canned)
+        try:
+            await measure_lean(lean_echo.sockets[0].getsockname()[1], "echo")
+        finally:
+            lean_echo.close()
+            await lean_echo.wait_closed()
 
     anyio.run(run)
     out["h11_cycle_us"] = 1e6 * _h11_cycle(binary_requests[0], canned)
@@ -494,7 +521,10 @@ def bench_http(corpus: Corpus, queries: int) -> dict[str, Any]:
     # binary over match_bytes().
     out["http_json_added_us"] = out["http_json_p50_us"] - out["in_process_p50_us"]
     out["http_binary_added_us"] = out["http_binary_p50_us"] - out["in_process_bytes_p50_us"]
-    for name in ("json", "binary"):  # what the index's server adds over the bare transport
+    out["http_binary_lean_added_us"] = (
+        out["http_binary_lean_p50_us"] - out["in_process_bytes_p50_us"]
+    )
+    for name in ("json", "binary", "binary_lean"):  # the server's work over the bare transport
         out[f"http_{name}_over_echo_us"] = out[f"http_{name}_p50_us"] - out[f"echo_{name}_p50_us"]
     return out
 

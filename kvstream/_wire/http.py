@@ -1,7 +1,15 @@
 """The one HTTP/1.1 server under kvstream's HTTP endpoints (metrics, index queries).
 
-The protocol is h11's (a sans-IO HTTP/1.1 implementation); this module adds the
-I/O on anyio, and the limits every listener of kvstream documents and enforces:
+Requests are read by h11 (a strict sans-IO HTTP/1.1 implementation), except the
+common one whose head arrives whole (HTTP/1.1, one `Host`, at most a
+`Content-Length`): `kvstream._wire.http_head` reads that one with h11's own
+grammar and rules, and leaves every other request to h11, so both paths accept the
+same requests and read them alike; answers are h11's bytes either way. Each
+connection is an asyncio `Protocol` (`kvstream._wire.buffered_connection`) served
+by one task in the server's task group: reading stays on, writes go straight to
+the transport, and nothing outlives the server (every transport is closed and
+waited for, every task cancelled). This module adds the limits every listener of
+kvstream documents and enforces:
 
 * **connections**: at most `max_connections` at once. When a new one arrives at
   the limit, the connection idle the longest (keep-alive, or connected and silent)
@@ -21,14 +29,20 @@ I/O on anyio, and the limits every listener of kvstream documents and enforces:
   retried with backoff; the listener keeps serving.
 
 Malformed requests (conflicting or non-numeric `Content-Length`, bad header
-lines, ...) are refused by h11 and answered `400`. A handler that raises gets
-`500` (logged once per burst); the server goes on. Every refusal is counted in
+lines, ...) are refused by h11 and answered `400`. A handler that raises, or
+returns a response h11 would not send (a header with a line break, a body on a
+`204`), gets `500` (logged once per burst); the server goes on. A client that
+reads no answers is closed once the answers waiting for it pass the transport's
+high-water mark for `idle_timeout` seconds. Every refusal is counted in
 `HttpServer.statistics()`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -41,6 +55,8 @@ from anyio.streams.stapled import MultiListener
 
 from kvstream._backoff import Backoff
 from kvstream._burst_log import BurstLog
+from kvstream._wire.buffered_connection import BufferedConnection
+from kvstream._wire.http_head import Head, parse_head, response_head, valid_field, valid_value
 from kvstream._wire.socket_security import bearer_authorized, check_listen_address
 from kvstream.errors import ClosedError, ConfigError, TransportError
 from kvstream.lifetime import LifetimeState, TaskOwner
@@ -57,7 +73,10 @@ __all__ = [
 
 log = logging.getLogger("kvstream.http")
 
+#: Unread bytes a connection buffers beyond a head before it stops reading.
 _RECEIVE: Final = 65536
+#: Seconds a closing connection has to take its last answer.
+_CLOSE_GRACE: Final = 1.0
 _REASONS: Final = {
     200: b"OK",
     400: b"Bad Request",
@@ -69,6 +88,7 @@ _REASONS: Final = {
     415: b"Unsupported Media Type",
     431: b"Request Header Fields Too Large",
     500: b"Internal Server Error",
+    501: b"Not Implemented",
     503: b"Service Unavailable",
 }
 
@@ -139,7 +159,8 @@ class HttpServerStatistics(NamedTuple):
     connections_refused: int
     #: Idle connections (or ones still sending their head) closed to make room.
     connections_evicted: int
-    #: Heads or bodies not complete in time (408), idle keep-alives closed.
+    #: Heads or bodies not complete in time (408), idle keep-alives closed, clients
+    #: that read no answers closed.
     timeouts: int
     #: Requests refused for their size (413, 431).
     too_large: int
@@ -204,6 +225,8 @@ class HttpServer(TaskOwner):
         self._listener: MultiListener[SocketStream] | None = None
         self._serving: anyio.CancelScope | None = None
         self._slots: dict[_Slot, None] = {}  # insertion order: the oldest first
+        #: The event loop's clock (set when serving starts): deadlines are on it.
+        self._now: Callable[[], float] = time.monotonic
         self._handler_log = BurstLog(log)
         self._accept_log = BurstLog(log)
         self._requests = 0
@@ -286,26 +309,28 @@ class HttpServer(TaskOwner):
     async def _serve(self) -> None:
         assert self._listener is not None
         assert self._serving is not None
+        self._now = asyncio.get_running_loop().time
         with self._serving:
             async with anyio.create_task_group() as tg:
                 for listener in self._listener.listeners:
                     assert isinstance(listener, SocketListener)
-                    tg.start_soon(self._accept, listener, tg)
+                    tg.start_soon(self._accept, listener.extra(SocketAttribute.raw_socket), tg)
 
-    async def _accept(self, listener: SocketListener, tg: TaskGroup) -> None:
+    async def _accept(self, listening: socket.socket, tg: TaskGroup) -> None:
+        loop = asyncio.get_running_loop()
         backoff = Backoff(0.05, 1.0, where=f"{self.name}: accept")
         while True:
             try:
-                stream = await listener.accept()
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                return
+                sock, _ = await loop.sock_accept(listening)
             except OSError as exc:  # EMFILE and friends: back off, keep serving
+                if listening.fileno() < 0:
+                    return
                 self._accept_errors += 1
                 self._accept_log.log("%s: accept failed: %s; retrying", self.name, exc)
                 await backoff.wait()
                 continue
             backoff.reset()
-            tg.start_soon(self._connection, stream)
+            tg.start_soon(self._connection, sock)
 
     def _admit(self) -> _Slot | None:
         if len(self._slots) >= self.limits.max_connections:
@@ -321,28 +346,42 @@ class HttpServer(TaskOwner):
         self._slots[slot] = None
         return slot
 
-    async def _connection(self, stream: SocketStream) -> None:
+    async def _connection(self, sock: socket.socket) -> None:
         self._connections += 1
-        async with stream:
+        limit = self.limits.head_bytes + _RECEIVE
+        try:
+            _, conn = await asyncio.get_running_loop().connect_accepted_socket(
+                lambda: BufferedConnection(limit), sock
+            )
+        except OSError:
+            sock.close()
+            return  # gone before it was set up
+        except BaseException:
+            sock.close()
+            raise
+        try:
             slot = self._admit()
             if slot is None:
                 self._refused += 1
                 self._errors += 1
                 # Refused before any request was read: the answer goes out raw.
                 refusal = self._error_format(503, "too many connections; try again later")
-                await _send_quietly(stream, _raw_response(503, refusal))
-                return
-            try:
-                with slot.scope:
-                    await self._requests_on(stream, slot)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                pass  # the client went away
-            finally:
-                self._slots.pop(slot, None)
+                conn.write(_raw_response(503, refusal))
+            else:
+                try:
+                    with slot.scope:
+                        await self._requests_on(conn, slot)
+                finally:
+                    self._slots.pop(slot, None)
+        except BaseException:  # the server is closing: drop what was not sent
+            with anyio.CancelScope(shield=True):
+                await conn.aclose(0.0)
+            raise
+        with anyio.CancelScope(shield=True):  # the last answer gets a moment to go out
+            await conn.aclose(_CLOSE_GRACE)
 
-    async def _requests_on(self, stream: SocketStream, slot: _Slot) -> None:
+    async def _requests_on(self, conn: BufferedConnection, slot: _Slot) -> None:
         limits = self.limits
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.head_bytes)
         while True:
             # Idle: waiting for the first byte of the next request (evictable). The
             # slot goes to the end of the order: the first idle one in it is the one
@@ -353,52 +392,88 @@ class HttpServer(TaskOwner):
             if slot in slots:
                 del slots[slot]
                 slots[slot] = None
-            first: bytes = b""
-            if conn.trailing_data[0] == b"":
-                with anyio.move_on_after(limits.idle_timeout) as idle:
-                    try:
-                        first = await stream.receive(_RECEIVE)
-                    except anyio.EndOfStream:
+            if not conn.buffer:
+                deadline = self._now() + limits.idle_timeout
+                while not conn.buffer:
+                    if conn.eof:
+                        return  # closed between requests
+                    if not await conn.wait_data(deadline):
+                        self._timeouts += 1
                         return
-                if idle.cancelled_caught:
-                    self._timeouts += 1
-                    return
             slot.idle = False
-            slot.in_head = True
+            head = parse_head(conn.buffer, limits.head_bytes)
+            h11_conn = None
+            request: Request | None
             try:
-                request = await self._read_request(stream, conn, first, slot)
+                if head is not None:
+                    request = await self._read_body(conn, head)
+                else:  # anything else: h11 reads it (and answers what it refuses)
+                    slot.in_head = True
+                    h11_conn = h11.Connection(
+                        h11.SERVER, max_incomplete_event_size=limits.head_bytes
+                    )
+                    request = await self._read_request(conn, h11_conn, slot)
             except _Refusal as refusal:
-                await self._refuse(stream, conn, refusal)
+                self._refuse(conn, h11_conn, refusal)
                 return
             if request is None:
                 return
             response = await self._respond(request)
-            keep = await self._send(stream, conn, request, response)
+            if h11_conn is None:
+                assert head is not None
+                keep = self._send(conn, request, response, close=head.close)
+            else:
+                keep = self._send_h11(conn, h11_conn, request, response)
             if not keep:
                 return
-            try:
-                conn.start_next_cycle()
-            except h11.LocalProtocolError:
+            if conn.writing_paused and not await conn.wait_drained(
+                self._now() + limits.idle_timeout
+            ):
+                self._timeouts += 1  # the client reads no answers
                 return
 
+    async def _read_body(self, conn: BufferedConnection, head: Head) -> Request:
+        """The body of a request whose head `parse_head()` read (at the buffer's start)."""
+        limits = self.limits  # the head is within limits.head_bytes: parse_head() saw to it
+        if head.length > limits.body_bytes:
+            self._too_large += 1
+            raise _Refusal(
+                413, f"request body of {head.length} bytes exceeds the limit of {limits.body_bytes}"
+            )
+        end = head.size + head.length
+        if len(conn.buffer) < end:
+            deadline = self._now() + limits.body_timeout
+            while len(conn.buffer) < end:
+                if conn.eof:
+                    raise _Refusal(400, "connection closed mid-body")
+                if not await conn.wait_data(deadline):
+                    self._timeouts += 1
+                    raise _Refusal(408, f"request body not complete within {limits.body_timeout} s")
+        body = conn.take(head.size, end)  # what follows (a pipelined request) stays
+        if not bearer_authorized(head.headers.get("authorization"), self._token):
+            self._unauthorized += 1
+            raise _Refusal(401, "missing or wrong bearer token")
+        return Request(head.method, head.target, head.headers, body)
+
     async def _read_request(
-        self, stream: SocketStream, conn: h11.Connection, first: bytes, slot: _Slot
+        self, conn: BufferedConnection, h11_conn: h11.Connection, slot: _Slot
     ) -> Request | None:
+        """A request read by h11, from the bytes buffered on; what follows it goes back to
+        the buffer once it is answered (`_send_h11()`)."""
         limits = self.limits
-        fed = [len(first) + len(conn.trailing_data[0])]
-        if first:
-            conn.receive_data(first)
+        fed = [0]
+        _feed(conn, h11_conn, fed)
         # Deadlines, not scopes around each phase: a request that has arrived whole
-        # (the usual one) is read without entering a cancel scope at all.
-        head_deadline = anyio.current_time() + limits.head_timeout
-        event = await self._next_event(stream, conn, head_deadline, fed)
+        # is read without a wait.
+        head_deadline = self._now() + limits.head_timeout
+        event = await self._next_event(conn, h11_conn, head_deadline, fed)
         slot.in_head = False  # past its head: no longer taken over
         if event is None:
             self._timeouts += 1
             raise _Refusal(408, f"request head not complete within {limits.head_timeout} s")
         # h11 bounds only a head that arrives in pieces; one that arrived whole is
         # measured here (what was fed, less what is left over for the body).
-        if fed[0] - len(conn.trailing_data[0]) > limits.head_bytes:
+        if fed[0] - len(h11_conn.trailing_data[0]) > limits.head_bytes:
             self._too_large += 1
             raise _Refusal(431, f"request head larger than {limits.head_bytes} bytes")
         if isinstance(event, h11.ConnectionClosed):
@@ -412,11 +487,11 @@ class HttpServer(TaskOwner):
             raise _Refusal(
                 413, f"request body of {length} bytes exceeds the limit of {limits.body_bytes}"
             )
-        body_deadline = anyio.current_time() + limits.body_timeout
+        body_deadline = self._now() + limits.body_timeout
         parts: list[bytes] = []
         size = 0
         while True:
-            part = await self._next_event(stream, conn, body_deadline)
+            part = await self._next_event(conn, h11_conn, body_deadline, fed)
             if type(part) is h11.Data:
                 parts.append(part.data)
                 size += len(part.data)
@@ -444,15 +519,15 @@ class HttpServer(TaskOwner):
 
     async def _next_event(
         self,
-        stream: SocketStream,
-        conn: h11.Connection,
+        conn: BufferedConnection,
+        h11_conn: h11.Connection,
         deadline: float,
-        fed: list[int] | None = None,
+        fed: list[int],
     ) -> object:
         """h11's next event, reading as needed until `deadline`; None when it passed."""
         while True:
             try:
-                event = conn.next_event()
+                event = h11_conn.next_event()
             except h11.RemoteProtocolError as exc:
                 status = exc.error_status_hint
                 if status == 431:
@@ -460,21 +535,15 @@ class HttpServer(TaskOwner):
                 raise _Refusal(status, f"malformed request: {exc}") from None
             if event is not h11.NEED_DATA:
                 return event
-            with anyio.CancelScope(deadline=deadline) as waiting:
-                try:
-                    data = await stream.receive(_RECEIVE)
-                except anyio.EndOfStream:
-                    data = b""
-            if waiting.cancelled_caught:
+            if not conn.buffer and not conn.eof and not await conn.wait_data(deadline):
                 return None
-            if fed is not None:
-                fed[0] += len(data)
-            conn.receive_data(data)
+            _feed(conn, h11_conn, fed)
 
     async def _respond(self, request: Request) -> Response:
         self._requests += 1
         try:
             response = await self.handler(request)
+            _check_response(response)
         except Exception as exc:  # a bug in a handler must not take the server down
             self._handler_errors += 1
             self._handler_log.log(
@@ -486,13 +555,33 @@ class HttpServer(TaskOwner):
             self._errors += 1
         return response
 
-    async def _send(
+    def _send(
+        self, conn: BufferedConnection, request: Request, response: Response, *, close: bool
+    ) -> bool:
+        """Write the response to a request `parse_head()` read, as h11 would write it;
+        whether the connection goes on."""
+        close = close or not self.keep_alive
+        body = response.body
+        head = response_head(
+            response.status,
+            _REASONS.get(response.status, b""),
+            response.content_type,
+            len(body),
+            response.headers,
+            close=close,
+        )
+        conn.write(head if request.method == "HEAD" else head + body)
+        return not close
+
+    def _send_h11(
         self,
-        stream: SocketStream,
-        conn: h11.Connection,
+        conn: BufferedConnection,
+        h11_conn: h11.Connection,
         request: Request,
         response: Response,
     ) -> bool:
+        """Write the response to a request h11 read, through h11; whether the connection
+        goes on (the bytes after the request back in the buffer)."""
         headers = [
             ("Content-Type", response.content_type),
             ("Content-Length", str(len(response.body))),
@@ -501,21 +590,28 @@ class HttpServer(TaskOwner):
         if not self.keep_alive:
             headers.append(("Connection", "close"))
         reason = _REASONS.get(response.status, b"")
-        data = conn.send(h11.Response(status_code=response.status, headers=headers, reason=reason))
+        data = h11_conn.send(
+            h11.Response(status_code=response.status, headers=headers, reason=reason)
+        )
         if request.method != "HEAD":
-            data = (data or b"") + (conn.send(h11.Data(data=response.body)) or b"")
-        data = (data or b"") + (conn.send(h11.EndOfMessage()) or b"")
-        await stream.send(data)
-        return conn.our_state is h11.DONE and conn.their_state is h11.DONE
+            data = (data or b"") + (h11_conn.send(h11.Data(data=response.body)) or b"")
+        data = (data or b"") + (h11_conn.send(h11.EndOfMessage()) or b"")
+        conn.write(data)
+        if h11_conn.our_state is not h11.DONE or h11_conn.their_state is not h11.DONE:
+            return False
+        conn.put_back(h11_conn.trailing_data[0])
+        return True
 
-    async def _refuse(self, stream: SocketStream, conn: h11.Connection, refusal: _Refusal) -> None:
-        """Answer a request that never reached the handler, then close."""
+    def _refuse(
+        self, conn: BufferedConnection, h11_conn: h11.Connection | None, refusal: _Refusal
+    ) -> None:
+        """Answer a request that never reached the handler (the connection closes next)."""
         self._errors += 1
         self._requests += 1
         response = self._error_format(refusal.status, str(refusal))
-        if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+        if h11_conn is not None and h11_conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             try:
-                head = conn.send(
+                head = h11_conn.send(
                     h11.Response(
                         status_code=refusal.status,
                         reason=_REASONS.get(refusal.status, b""),
@@ -526,14 +622,38 @@ class HttpServer(TaskOwner):
                         ],
                     )
                 )
-                await _send_quietly(
-                    stream,
-                    (head or b"") + response.body + (conn.send(h11.EndOfMessage()) or b""),
+                conn.write(
+                    (head or b"") + response.body + (h11_conn.send(h11.EndOfMessage()) or b"")
                 )
                 return
             except h11.LocalProtocolError:
                 pass  # h11 saw no request line: answer raw
-        await _send_quietly(stream, _raw_response(refusal.status, response))
+        conn.write(_raw_response(refusal.status, response))
+
+
+def _feed(conn: BufferedConnection, h11_conn: h11.Connection, fed: list[int]) -> None:
+    """Hand h11 what the connection buffered (or its end)."""
+    if conn.buffer:
+        data = conn.take_all()
+        fed[0] += len(data)
+        h11_conn.receive_data(bytes(data))
+    elif conn.eof:
+        h11_conn.receive_data(b"")
+
+
+def _check_response(response: Response) -> None:
+    """Refuse (as a handler's bug) a response h11 would refuse to send."""
+    if type(response.status) is not int or not 200 <= response.status <= 999:
+        raise ValueError(f"status: expected an int in 200..999, got {response.status!r}")
+    if response.status in (204, 304) and response.body:
+        raise ValueError(
+            f"status {response.status}: expected no body, got {len(response.body)} bytes"
+        )
+    if not valid_value(response.content_type):
+        raise ValueError(f"content type {response.content_type!r} is not a valid HTTP header")
+    for name, value in response.headers:
+        if not valid_field(name, value):
+            raise ValueError(f"header {name!r}: {value!r} is not a valid HTTP header")
 
 
 def _raw_response(status: int, response: Response) -> bytes:
@@ -544,11 +664,3 @@ def _raw_response(status: int, response: Response) -> bytes:
         b"Connection: close",
     ]
     return b"\r\n".join(lines) + b"\r\n\r\n" + response.body
-
-
-async def _send_quietly(stream: SocketStream, data: bytes) -> None:
-    with anyio.move_on_after(1.0):
-        try:
-            await stream.send(data)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            pass

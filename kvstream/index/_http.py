@@ -18,7 +18,7 @@ tokens as uint32 little-endian and options go in the query string
 bounded (head 16 KiB, body `max_request_bytes`); a malformed one gets a 4xx
 naming what was wrong. Connections are kept alive (HTTP/1.1) until the client
 closes, says `Connection: close`, or is idle for `idle_timeout` seconds. The
-HTTP layer is `kvstream._wire.http` (h11 under anyio, with its limits).
+HTTP layer is `kvstream._wire.http` (kvstream's one HTTP/1.1 server, with its limits).
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ class QueryServer(TaskOwner):
         return Response(status, orjson.dumps(body), "application/json", headers)
 
     def _route(self, request: Request) -> tuple[int, Any]:
-        path = request.target.partition("?")[0]
+        path, _, query = request.target.partition("?")
         method = _ROUTES.get(path)
         if method is None:
             raise _HttpError(404, f"no route {path!r}; expected POST /match or GET /stats")
@@ -160,7 +160,7 @@ class QueryServer(TaskOwner):
         if path == "/stats":
             return 200, self._stats()
         content_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-        return 200, self._match(request.body, content_type, request.query)
+        return 200, self._match(request.body, content_type, query)
 
     def _stats(self) -> Any:
         stats = self.index.statistics()

@@ -298,7 +298,7 @@ class MsgpackCodec:
         Without `strict` nothing is refused (the same bytes as `encode()`).
         """
         if self.strict is None:
-            return self.encode(batch), ()
+            return self._payload(batch.ts, batch.events, batch.data_parallel_rank), ()
         kept, refused = self.screen(batch.events)
         return self._payload(batch.ts, kept, batch.data_parallel_rank), refused
 

@@ -877,6 +877,45 @@ def test_stream_gives_up_a_replay_that_times_out() -> None:
     assert _seqs(s.on_live(5, _p(5), 2.0)) == [("gap", 3, 5), 5]
 
 
+def test_stream_restarted_by_seq_starts_over_when_its_first_heartbeat_announces_a_tail() -> None:
+    # A restart told by the seq alone leaves the new publisher's epoch unknown. If its
+    # first heartbeat announces batches never received, they may be another instance's
+    # (it restarted again and its live batches were lost): a replay of that tail would
+    # join two publishers' streams into one state, so the stream starts over.
+    from kvstream._wire.broker import Heartbeat
+
+    s = _stream()
+    for q in range(5):
+        s.on_live(q, _p(q), 0.0)
+    assert _seqs(s.on_live(0, _p(0), 0.1) + s.on_live(1, _p(1), 0.1)) == [0, 1]
+    restarted = s.epoch
+    assert s.statistics().restarts == 1
+    s.on_heartbeat(Heartbeat("o", "e9", 4, 0.5), 0.2)  # seq 2..4: never heard
+    assert s.statistics().restarts == 2
+    assert s.epoch == "e9" != restarted
+    assert s.requests == [0]  # the new instance's batches, from its first
+    out = [item for q in range(5) for item in s.on_replay(wire.ReplayBatch(b"", q, _p(q)), 0.3)]
+    out += s.on_replay(None, 0.3)
+    assert _seqs(out) == [0, 1, 2, 3, 4]
+    assert {b.epoch for b in out} == {"e9"}
+
+
+def test_stream_restarted_by_seq_learns_its_epoch_from_a_heartbeat_with_nothing_missing() -> None:
+    from kvstream._wire.broker import Heartbeat
+
+    s = _stream()
+    for q in range(5):
+        s.on_live(q, _p(q), 0.0)
+    s.on_live(0, _p(0), 0.1)
+    s.on_live(1, _p(1), 0.1)
+    restarted = s.epoch
+    assert s.on_heartbeat(Heartbeat("o", "e9", 1, 0.5), 0.2) == []  # all of it received
+    assert (s.statistics().restarts, s.epoch, s.requests) == (1, restarted, [])
+    # Known now: a later tail is the same publisher's, repaired by a replay.
+    s.on_heartbeat(Heartbeat("o", "e9", 3, 0.5), 0.3)
+    assert (s.statistics().restarts, s.requests) == (1, [2])
+
+
 def test_stream_start_from_seq_and_topic_filter() -> None:
     s = _stream(topic=b"kv@a@")
     s.start(2, 0.0)

@@ -334,6 +334,9 @@ class PublisherStream:
         self.snapshots_failed = 0
         #: The publisher's own epoch when known (snapshots, heartbeats), else None.
         self.publisher_epoch: str | None = None
+        #: The current publisher was told apart from the last by its seq going back
+        #: alone: its epoch is not known yet (its first heartbeat tells it).
+        self._restart_by_seq = False
         self.heartbeats = 0
         #: A snapshot was delivered and no live batch was heard since.
         self._after_snapshot = False
@@ -506,7 +509,19 @@ class PublisherStream:
         # long enough to heartbeat) tells a restart by its last seq: behind what this
         # stream already delivered, it cannot be the publisher that sent those.
         behind = known is None and expected is not None and hb.seq + 1 < expected
-        if (known is not None and known != hb.epoch) or behind:
+        # A publisher told apart from the last one by its seq alone, whose first heartbeat
+        # announces batches never received: they may be those of yet another instance
+        # (it restarted again and its live batches were lost), which a replay of the tail
+        # would join to this one's. Start over from that heartbeat's epoch instead: a
+        # needless restart costs a resynchronisation, a missed one a wrong state.
+        unsure = (
+            known is None and self._restart_by_seq and expected is not None and hb.seq >= expected
+        )
+        if unsure and (self.replaying or self.held):
+            # A repair of this stream is under way: the tail may be its own. Decided by a
+            # later heartbeat (the epoch is not taken yet), once the repair has ended.
+            return out
+        if (known is not None and known != hb.epoch) or behind or unsure:
             if self.snapshotting:
                 # A restart while a snapshot is in flight: decided once it ends. The
                 # epoch is not taken yet, so the next heartbeat tells the restart again.
@@ -514,6 +529,7 @@ class PublisherStream:
             out.extend(self._restart(-1))
             self.epoch = hb.epoch
         self.publisher_epoch = hb.epoch
+        self._restart_by_seq = False
         expected = self.expected
         if (
             hb.seq >= 0
@@ -567,6 +583,7 @@ class PublisherStream:
         self._end_snapshot()
         first_missing = self.expected if self.expected is not None else 0
         self.epoch = self.publisher_epoch = head.epoch
+        self._restart_by_seq = False
         self.expected = head.resume_seq
         self._after_snapshot = self.last_live is None
         self.snapshots += 1
@@ -711,6 +728,7 @@ class PublisherStream:
         self.epoch = _new_epoch()
         self.expected = 0  # a restarted publisher counts from 0
         self.last_live = None
+        self._restart_by_seq = seq >= 0
         return out
 
     def _gap(self, first: int, next_seq: int, reason: str) -> Gap:

@@ -26,7 +26,9 @@ What is measured (block size 16, four origins, tokens below 32000):
   bodies) over a kept-alive loopback connection, against the in-process call
   (`match()` for JSON, `match_bytes()` for binary); also, in the same run, a
   bare anyio echo of the same bytes through the same client (the transport's
-  floor), h11's request cycle alone, and `orjson.loads` of the JSON body.
+  floor), h11's request cycle alone, and `orjson.loads` of the JSON body; the
+  binary body also through a client on an asyncio `Protocol`, beside its own
+  echo floor (`*_lean_*`).
 * **memory**: bytes per block traced with `tracemalloc` while the index is
   built (events are made before tracing starts) and its lookup table made by a
   first match, for one origin on one tier, the same blocks on two tiers, and

@@ -108,6 +108,19 @@ def _rows(data: dict[str, Any]) -> list[Row]:
                         note=f"+{value[f'http_{kind}_added_us']:.0f} µs over in process",
                     )
                 )
+                lean = value.get(f"http_{kind}_lean_p50_us")
+                if lean is not None:  # the same request through a client on an asyncio Protocol
+                    rows.append(
+                        Row(
+                            "index",
+                            f"HTTP /match, 8192 tokens, {kind} body, Protocol client",
+                            f"{value.get('blocks_indexed', 0):,} blocks",
+                            baseline="in process",
+                            ratio=lean / value.get(base[kind], value["in_process_p50_us"]),
+                            p50_us=lean,
+                            note=f"+{value[f'http_{kind}_lean_added_us']:.0f} µs over in process",
+                        )
+                    )
                 echo = value.get(f"echo_{kind}_p50_us")
                 if echo is not None:  # the same bytes through a bare anyio echo server
                     rows.append(

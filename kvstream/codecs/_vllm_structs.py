@@ -1,25 +1,28 @@
 """vLLM's wire structs, field for field, and the per-event converters the msgpack codec encodes.
 
-`kvstream.codecs.msgpack` picks a converter table by `(profile, metadata)`; the
-structs here are the only place vLLM's declarations are mirrored.
+`kvstream.codecs.msgpack` picks a converter table by `(profile, metadata)`. The
+map profile needs no struct of its own: kvstream's events are laid out as vLLM's
+map events (`kvstream.events`), so they are written as they are (without their
+`metadata` unless it is asked for). The positional profile's structs here are the
+only place vLLM's declarations are mirrored.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any, Final, TypeAlias
 
 import msgspec
-from msgspec.structs import astuple
+from msgspec.structs import force_setattr
 
 from kvstream.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
 
 # -- the structs: vLLM's declarations, field for field ---------------------------
 #
-# Each event's fields are declared once, in vLLM's order, and laid out twice by
-# subclasses: as a tagged map ("type" first, fields at their default omitted) and
+# Each event's fields are declared once, in vLLM's order, and laid out by subclasses
 # as a tagged array (tag first, every field: msgspec never shortens arrays).
-# ``locality`` and ``metadata`` come last, so each longer layout extends a shorter.
+# ``locality`` comes last, so the longer layout extends the shorter.
 
 
 class StoredFields(msgspec.Struct, gc=False):
@@ -44,32 +47,6 @@ class RemovedFields(msgspec.Struct, gc=False):
     block_hashes: list[BlockHash]
     medium: str | None
     group_idx: int | None = None
-
-
-class StoredMap(StoredFields, tag="BlockStored", tag_field="type", omit_defaults=True):
-    locality: str | None = None
-
-
-class StoredMapMeta(StoredMap):
-    metadata: dict[str, Any] | None = None
-
-
-class RemovedMap(RemovedFields, tag="BlockRemoved", tag_field="type", omit_defaults=True):
-    locality: str | None = None
-
-
-class RemovedMapMeta(RemovedMap):
-    metadata: dict[str, Any] | None = None
-
-
-class ClearedMap(
-    msgspec.Struct, tag="AllBlocksCleared", tag_field="type", omit_defaults=True, gc=False
-):
-    pass
-
-
-class ClearedMapMeta(ClearedMap):
-    metadata: dict[str, Any] | None = None
 
 
 class StoredPos(StoredFields, tag="BlockStored", array_like=True):
@@ -111,29 +88,18 @@ class MapBatchIn(msgspec.Struct, array_like=True, gc=False):
 # -- encoding: one function per (event type, profile), chosen by a table ------------------
 
 
-def stored_map(e: BlockStored) -> Any:
-    return StoredMap(
-        e.block_hashes,
-        e.parent_block_hash,
-        e.token_ids,
-        e.block_size,
-        e.lora_id,
-        e.medium,
-        e.lora_name,
-        e.extra_keys,
-        e.group_idx,
-        e.kv_cache_spec_kind,
-        e.kv_cache_spec_sliding_window,
-        e.locality,
-    )
+def without_metadata(e: BlockStored | BlockRemoved | AllBlocksCleared) -> Any:
+    """vLLM's map event: the event itself, its `metadata` (not vLLM's) left out."""
+    if e.metadata is None:
+        return e
+    out = copy.copy(e)  # checked already: a copy (msgspec's __copy__), not a new event
+    force_setattr(out, "metadata", None)
+    return out
 
 
-def stored_map_meta(e: BlockStored) -> Any:
-    return StoredMapMeta(*astuple(e))  # the same fields in the same order (checked below)
-
-
-if StoredMapMeta.__struct_fields__ != BlockStored.__struct_fields__:  # pragma: no cover
-    raise ImportError("msgpack codec: StoredMapMeta's fields are not BlockStored's")
+def as_is(e: BlockStored | BlockRemoved | AllBlocksCleared) -> Any:
+    """vLLM's map event with kvstream's `metadata` as one more key (when set)."""
+    return e
 
 
 def stored_pos(e: BlockStored) -> Any:
@@ -167,30 +133,13 @@ def stored_pos(e: BlockStored) -> Any:
     )
 
 
-def removed_map(e: BlockRemoved) -> Any:
-    return RemovedMap(e.block_hashes, e.medium, e.group_idx, e.locality)
-
-
-def removed_map_meta(e: BlockRemoved) -> Any:
-    return RemovedMapMeta(e.block_hashes, e.medium, e.group_idx, e.locality, e.metadata)
-
-
 def removed_pos(e: BlockRemoved) -> Any:
     if e.locality is None:
         return RemovedPos(e.block_hashes, e.medium, e.group_idx)
     return RemovedPosLocality(e.block_hashes, e.medium, e.group_idx, e.locality)
 
 
-_CLEARED_MAP: Final = ClearedMap()
 CLEARED_POS: Final = ClearedPos()
-
-
-def cleared_map(e: AllBlocksCleared) -> Any:
-    return _CLEARED_MAP
-
-
-def cleared_map_meta(e: AllBlocksCleared) -> Any:
-    return _CLEARED_MAP if e.metadata is None else ClearedMapMeta(e.metadata)
 
 
 def cleared_pos(e: AllBlocksCleared) -> Any:
@@ -201,16 +150,8 @@ ToWire: TypeAlias = Callable[[Any], Any]
 
 #: (profile, metadata) -> {event type: converter}. Fixed at import time.
 TO_WIRE: Final[dict[tuple[str, bool], dict[type, ToWire]]] = {
-    ("map", False): {
-        BlockStored: stored_map,
-        BlockRemoved: removed_map,
-        AllBlocksCleared: cleared_map,
-    },
-    ("map", True): {
-        BlockStored: stored_map_meta,
-        BlockRemoved: removed_map_meta,
-        AllBlocksCleared: cleared_map_meta,
-    },
+    ("map", False): dict.fromkeys((BlockStored, BlockRemoved, AllBlocksCleared), without_metadata),
+    ("map", True): dict.fromkeys((BlockStored, BlockRemoved, AllBlocksCleared), as_is),
     ("positional", False): {
         BlockStored: stored_pos,
         BlockRemoved: removed_pos,

@@ -276,14 +276,16 @@ class MsgpackCodec:
 
     def _payload(self, ts: float, events: Sequence[Any], rank: int | None) -> bytes:
         to_wire = self._to_wire
-        if (to_wire is MAP_TO_WIRE or to_wire is MAP_META_TO_WIRE) and _KV_TYPES.issuperset(
-            map(type, events)
+        if (
+            (to_wire is MAP_TO_WIRE or to_wire is MAP_META_TO_WIRE)
+            and _KV_TYPES.issuperset(map(type, events))
+            and (
+                to_wire is MAP_META_TO_WIRE
+                or list(map(_METADATA, events)).count(None) == len(events)
+            )
         ):
-            # kvstream's events are laid out as vLLM's map events (`kvstream.events`),
-            # so they are encoded as they are: no wire struct per event.
-            if to_wire is MAP_TO_WIRE and list(map(_METADATA, events)).count(None) != len(events):
-                # metadata is not vLLM's: the events carrying it are written without it
-                events = [e if e.metadata is None else to_wire[type(e)](e) for e in events]
+            # kvstream's events are laid out as vLLM's map events (`kvstream.events`):
+            # a batch with nothing to leave out is encoded as it is, no call per event.
             return _ENCODE(WireBatch(ts, events, rank))  # type: ignore[arg-type]
         try:
             wire = [to_wire[type(e)](e) for e in events]

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, Final, TypeAlias
 
 import msgspec
-from msgspec.structs import force_setattr
+from msgspec.structs import astuple, force_setattr
 
 from kvstream.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
 
@@ -103,33 +103,16 @@ def as_is(e: BlockStored | BlockRemoved | AllBlocksCleared) -> Any:
 
 
 def stored_pos(e: BlockStored) -> Any:
+    fields = astuple(e)  # BlockStored's fields in vLLM's order, locality and metadata last
     if e.locality is None:
-        return StoredPos(
-            e.block_hashes,
-            e.parent_block_hash,
-            e.token_ids,
-            e.block_size,
-            e.lora_id,
-            e.medium,
-            e.lora_name,
-            e.extra_keys,
-            e.group_idx,
-            e.kv_cache_spec_kind,
-            e.kv_cache_spec_sliding_window,
-        )
-    return StoredPosLocality(
-        e.block_hashes,
-        e.parent_block_hash,
-        e.token_ids,
-        e.block_size,
-        e.lora_id,
-        e.medium,
-        e.lora_name,
-        e.extra_keys,
-        e.group_idx,
-        e.kv_cache_spec_kind,
-        e.kv_cache_spec_sliding_window,
-        e.locality,
+        return StoredPos(*fields[:_POS_FIELDS])
+    return StoredPosLocality(*fields[: _POS_FIELDS + 1])
+
+
+_POS_FIELDS: Final = len(StoredPos.__struct_fields__)
+if BlockStored.__struct_fields__[: _POS_FIELDS + 1] != StoredPosLocality.__struct_fields__:
+    raise ImportError(  # pragma: no cover
+        "msgpack codec: StoredPosLocality's fields are not BlockStored's first ones"
     )
 
 

@@ -22,6 +22,12 @@ What is measured (block size 16, four origins, tokens below 32000):
   nothing. Baseline: hashing the prompt alone.
 * **match, bytes API**: `PrefixIndex.match_bytes` on the same prompts as
   uint32 little-endian bytes; baseline: hashing those bytes alone.
+* **live**: what a router sees while events flow: the index built from all
+  but the last `--queries` batches, then per query one more batch applied
+  (512 new blocks and their placeholders) and an 8k-token bytes match, then a
+  second match before the next batch; baseline: the same prompts matched with
+  no batch between them. The first match after a batch pays for entering
+  the batch's blocks in the lookup table.
 * **http**: `POST /match` round trips for 8k-token prompts (JSON and binary
   bodies) over a kept-alive loopback connection, against the in-process call
   (`match()` for JSON, `match_bytes()` for binary); also, in the same run, a
@@ -67,6 +73,7 @@ __all__ = [
     "bench_gc",
     "bench_http",
     "bench_match",
+    "bench_match_live",
     "bench_memory",
     "main",
 ]
@@ -245,6 +252,48 @@ def bench_match(corpus: Corpus, queries: int, repeat: int) -> dict[str, Any]:
             out[f"{tokens_n}_tokens_{name}_p50_us"] = 1e6 * _median(p50s)
             out[f"{tokens_n}_tokens_{name}_p99_us"] = 1e6 * _median(p99s)
     return out
+
+
+def bench_match_live(corpus: Corpus, queries: int, repeat: int) -> dict[str, Any]:
+    """8k-token bytes matches with a batch applied before each (see the module doc)."""
+    batches = list(corpus.batches())
+    queries = min(queries, len(batches) // 2)
+    held = batches[-queries:]
+    applied = corpus.chains[: len(batches) - queries]  # chain c is batch c
+    rng = random.Random(2)
+    prompts = [array("I", rng.choice(applied)[:8192]).tobytes() for _ in range(2 * queries)]
+    runs: dict[str, list[float]] = {"after_batch": [], "second": [], "static": [], "apply": []}
+    for _ in range(repeat):
+        index = PrefixIndex(block_size=BLOCK)
+        for batch in batches[:-queries]:
+            index.apply(batch)
+        index.match_bytes(prompts[0])  # the lookup table made, as in `bench_match`
+        gc.collect()
+        lat: dict[str, list[float]] = {name: [] for name in runs}
+        for p in prompts:
+            started = clock()
+            index.match_bytes(p)
+            lat["static"].append(clock() - started)
+        for i, batch in enumerate(held):
+            started = clock()
+            index.apply(batch)
+            lat["apply"].append(clock() - started)
+            for name, p in (("after_batch", prompts[2 * i]), ("second", prompts[2 * i + 1])):
+                started = clock()
+                index.match_bytes(p)
+                lat[name].append(clock() - started)
+        for name, values in lat.items():
+            runs[name].append(_percentile(values, 0.5))
+        del index
+    return {
+        "blocks_indexed": corpus.blocks,
+        "queries": queries,
+        **{
+            ("apply_batch_p50_us" if name == "apply" else f"8192_tokens_bytes_{name}_p50_us"): 1e6
+            * _median(v)
+            for name, v in runs.items()
+        },
+    }
 
 
 def _traced(build: Callable[[], PrefixIndex]) -> tuple[int, PrefixIndex]:
@@ -560,7 +609,7 @@ def _h11_cycle(raw: bytes, response: bytes, rounds: int = 500) -> float:
 
 
 #: the parts `--only` can name, in the order they run
-PARTS = ("apply", "sim", "match", "http", "memory", "gc")
+PARTS = ("apply", "sim", "match", "live", "http", "memory", "gc")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -604,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.json:
             print(text, flush=True)
 
-    corpora = {n: Corpus(n) for n in sizes} if only & {"apply", "match", "http"} else {}
+    corpora = {n: Corpus(n) for n in sizes} if only & {"apply", "match", "live", "http"} else {}
     for n, corpus in corpora.items() if "apply" in only else ():
         results[f"apply_{n}"] = r = bench_apply(corpus, args.repeat)
         say(
@@ -630,6 +679,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"bytes API hit p50 {r[f'{tokens}_tokens_bytes_hit_p50_us']:.0f} µs "
                 f"(hash alone {r[f'{tokens}_tokens_baseline_bytes_hash_only_p50_us']:.0f} µs)"
             )
+    for n, corpus in corpora.items() if "live" in only else ():
+        results[f"live_{n}"] = r = bench_match_live(corpus, args.queries, args.repeat)
+        say(
+            f"live, {r['blocks_indexed']:,} blocks, 8192 tokens, bytes API: match p50 right "
+            f"after a batch {r['8192_tokens_bytes_after_batch_p50_us']:.0f} µs, a second "
+            f"before the next {r['8192_tokens_bytes_second_p50_us']:.0f} µs, with no batch "
+            f"between {r['8192_tokens_bytes_static_p50_us']:.0f} µs; the batch's apply "
+            f"{r['apply_batch_p50_us']:.0f} µs"
+        )
     if "http" in only:
         results["http"] = r = bench_http(corpora[sizes[-1]], min(args.queries, 200))
         say(

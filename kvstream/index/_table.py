@@ -49,6 +49,8 @@ _GROW: Final = 4
 _ALL_TRUE: Final = 0x0101010101010101
 #: the key of an empty slot
 EMPTY: Final = (1 << 64) - 1
+#: keys left after a vectorized round that are entered one at a time instead
+_FEW: Final = 8
 
 
 class NodeTable:
@@ -128,44 +130,75 @@ class NodeTable:
             self._upsert(k[rest], v[rest], new=True)
 
     def _upsert(self, k: U64, v: U64, new: bool = False) -> None:
-        """Set `k -> v` for distinct keys `k` (`new`: none of them is in the table)."""
+        """Set `k -> v` for distinct keys `k` (`new`: none of them is in the table).
+
+        One vectorized round per bucket distance, the keys still pending all at once:
+        each looks at its bucket (its home bucket first); a key found there takes its
+        value; a key not found in a bucket with a free slot is not in the table (keys
+        are never taken out, so none lives past a bucket with room) and claims the
+        first free slot (several claiming one slot: one wins, read back, the others
+        try the same bucket again); a key not found in a full bucket goes on to the
+        next one. A key not in the table whose value is 0 (a node gone again) is not
+        entered.
+        """
         import numpy as np
 
         keys = self._keys
+        flat_keys = keys.reshape(-1)
         vals = self._vals
-        buckets = self._buckets
-        if not new:
-            where = self._find(k)
-            known = where >= 0
-            if known.any():
-                at = where[known]
-                vals[at] = v[known]
-                k = k[~known]
-                v = v[~known]
         bucket = self._home(k)
         pending = np.arange(len(k))
         while len(pending):
+            if len(pending) <= _FEW:  # the last few: one at a time is cheaper than a round
+                for i in pending.tolist():
+                    self._upsert_one(int(k[i]), int(v[i]), int(bucket[i]), new)
+                return
             b = bucket[pending]
-            free = keys.take(b, axis=0) == EMPTY  # (pending, BUCKET)
-            has = free.any(axis=1)
-            # Full buckets: the key moves on to the next one.
-            full = pending[~has]
-            bucket[full] = (bucket[full] + 1) % buckets
-            claim = pending[has]
-            if len(claim):
-                # Several keys may want one bucket's first free slot: the first takes it,
-                # the others try again on the next round.
-                cb = bucket[claim]
-                _, first = np.unique(cb, return_index=True)
-                won = claim[first]
-                wb = bucket[won]
-                slot = free[has][first].argmax(axis=1)
-                keys[wb, slot] = k[won]
-                vals[wb * BUCKET + slot] = v[won]
-                self._used += len(won)
-                pending = np.setdiff1d(pending, won, assume_unique=True)
-            else:
-                pending = full
+            want = k[pending]
+            rows = keys.take(b, axis=0)
+            done = np.zeros(len(pending), dtype=bool)
+            if not new:
+                match = rows == want[:, None]
+                found = match.view(np.uint64).ravel() != 0
+                if found.any():
+                    vals[b[found] * BUCKET + match[found].argmax(axis=1)] = v[pending[found]]
+                    done = found
+            free = rows == EMPTY
+            room = free.view(np.uint64).ravel() != 0
+            open_ = room & ~done
+            if not new:
+                dead = open_ & (v[pending] == 0)  # absent, and stays so
+                done |= dead
+                open_ &= ~dead
+            if open_.any():
+                at = b[open_] * BUCKET + free[open_].argmax(axis=1)
+                claim = want[open_]
+                flat_keys[at] = claim  # several on one slot: one of them stays
+                won = flat_keys[at] == claim
+                vals[at[won]] = v[pending[open_][won]]
+                self._used += int(np.count_nonzero(won))
+                done[np.flatnonzero(open_)[won]] = True
+            on = ~room & ~done  # not found in a full bucket: the next one
+            if on.any():
+                bucket[pending[on]] = (b[on] + 1) % self._buckets
+            pending = pending[~done]
+
+    def _upsert_one(self, key: int, value: int, bucket: int, new: bool) -> None:
+        """`_upsert()` of one key, from `bucket` on, in Python."""
+        keys = self._keys
+        while True:
+            row: list[int] = keys[bucket].tolist()
+            if not new and key in row:
+                self._vals[bucket * BUCKET + row.index(key)] = value
+                return
+            if EMPTY in row:
+                if value or new:
+                    slot = row.index(EMPTY)
+                    keys[bucket, slot] = key
+                    self._vals[bucket * BUCKET + slot] = value
+                    self._used += 1
+                return
+            bucket = (bucket + 1) % self._buckets
 
     def _home(self, k: U64) -> Any:
         """Each key's home bucket (as intp): its low 32 bits times the count of buckets,
@@ -176,10 +209,6 @@ class NodeTable:
         h *= np.uint64(self._buckets)
         h >>= np.uint64(32)
         return h.view(np.intp)  # below 2**32: the same as signed
-
-    def _find(self, k: U64) -> Any:
-        """The flat slot of each key `k`, -1 where it is not in the table."""
-        return self._slots(k)
 
     def _slots(self, k: U64) -> Any:
         """The flat slot of each key `k`; -1 where it is not in the table.

@@ -35,8 +35,14 @@ def test_the_benchmark_functions_run_and_report_every_key() -> None:
     assert all(v > 0 for k, v in http.items() if k.endswith(("p50_us", "cycle_us")))
     apply = bench.bench_apply(corpus, 1)
     assert apply["block_events"] > corpus.blocks  # stores and placeholders
-    rows = _rows({"match_2048": match, "http": http, "apply_2048": apply})
+    live = bench.bench_match_live(corpus, 5, 1)
+    assert live["queries"] == 2  # half the corpus's four batches are held back, at most
+    for kind in ("after_batch", "second", "static"):
+        assert live[f"8192_tokens_bytes_{kind}_p50_us"] > 0
+    assert live["apply_batch_p50_us"] > 0
+    rows = _rows({"match_2048": match, "http": http, "apply_2048": apply, "live_2048": live})
     names = [row.case for row in rows]
+    assert "match 8192-token prompt, bytes API, events flowing (the first after a batch)" in names
     assert "match 8192-token prompt (hit, bytes API)" in names
     assert "HTTP /match, 8192 tokens, binary body" in names
     assert "HTTP /match floor: anyio echo of the binary request" in names

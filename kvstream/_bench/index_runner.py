@@ -91,6 +91,26 @@ def _rows(data: dict[str, Any]) -> list[Row]:
                             p99_us=p99,
                         )
                     )
+        elif key.startswith("live_"):
+            indexed = int(key.split("_", 1)[1])
+            base = value.get("8192_tokens_bytes_static_p50_us")
+            for kind, label in (
+                ("after_batch", "the first after a batch"),
+                ("second", "the second"),
+            ):
+                p50 = value.get(f"8192_tokens_bytes_{kind}_p50_us")
+                if p50 is None:
+                    continue
+                rows.append(
+                    Row(
+                        "index",
+                        f"match 8192-token prompt, bytes API, events flowing ({label})",
+                        f"{indexed:,} blocks",
+                        baseline="no batch between" if base else "",
+                        ratio=p50 / base if base else None,
+                        p50_us=p50,
+                    )
+                )
         elif key == "http" and "in_process_p50_us" in value:
             base = {"json": "in_process_p50_us", "binary": "in_process_bytes_p50_us"}
             for kind in ("json", "binary"):

@@ -39,6 +39,26 @@ def index_command(quick: bool) -> tuple[list[str], dict[str, str]]:
     return argv, env
 
 
+def _latency(
+    case: str,
+    indexed: int,
+    p50: float,
+    base: float | None,
+    baseline: str,
+    p99: float | None = None,
+) -> Row:
+    """A latency row of the index section: p50 (and p99), over `base` when there is one."""
+    return Row(
+        "index",
+        case,
+        f"{indexed:,} blocks",
+        baseline=baseline if base else "",
+        ratio=p50 / base if base else None,
+        p50_us=p50,
+        p99_us=p99,
+    )
+
+
 def _rows(data: dict[str, Any]) -> list[Row]:
     rows: list[Row] = []
     for key, value in data.items():
@@ -81,14 +101,13 @@ def _rows(data: dict[str, Any]) -> list[Row]:
                         continue
                     base = value.get(f"{tokens}_tokens_{base_key}_p50_us") if base_key else None
                     rows.append(
-                        Row(
-                            "index",
+                        _latency(
                             f"match {tokens}-token prompt ({label})",
-                            f"{indexed:,} blocks",
-                            baseline="hash only" if base else "",
-                            ratio=p50 / base if base else None,
-                            p50_us=p50,
-                            p99_us=p99,
+                            indexed,
+                            p50,
+                            base,
+                            "hash only",
+                            p99,
                         )
                     )
         elif key.startswith("live_"):
@@ -102,13 +121,12 @@ def _rows(data: dict[str, Any]) -> list[Row]:
                 if p50 is None:
                     continue
                 rows.append(
-                    Row(
-                        "index",
+                    _latency(
                         f"match 8192-token prompt, bytes API, events flowing ({label})",
-                        f"{indexed:,} blocks",
-                        baseline="no batch between" if base else "",
-                        ratio=p50 / base if base else None,
-                        p50_us=p50,
+                        indexed,
+                        p50,
+                        base,
+                        "no batch between",
                     )
                 )
         elif key == "http" and "in_process_p50_us" in value:

@@ -20,6 +20,7 @@ from servers import NatsServer, RedisServer, nats_servers, redis_servers, wait_u
 
 from kvstream._wire.broker import (
     SnapshotInfo,
+    redis_position,
     snapshot_envelope,
     snapshot_parts,
     snapshot_subjects,
@@ -80,7 +81,13 @@ class Broker:
         for entry_id, fields in entries:
             by_origin.setdefault(fields[b"origin"], []).append(entry_id)
         long_enough = [ids[-KEEP] for ids in by_origin.values() if len(ids) >= KEEP]
-        cut = min(long_enough) if len(long_enough) == len(by_origin) else None
+        # Entry ids compared as numbers: as bytes, b"...-16" sorts before b"...-9" (then the
+        # cut took an origin's last batches, which no later batch shows a consumer missing).
+        cut = (
+            min(long_enough, key=lambda i: redis_position(i.decode()))
+            if len(long_enough) == len(by_origin)
+            else None
+        )
         if cut is not None and (always or rng.random() < 0.8):
             self.trimmed += await self.raw.xtrim("kv:events", minid=cut)
 

@@ -263,6 +263,9 @@ def bench_match_live(corpus: Corpus, queries: int, repeat: int) -> dict[str, Any
     rng = random.Random(2)
     prompts = [array("I", rng.choice(applied)[:8192]).tobytes() for _ in range(2 * queries)]
     runs: dict[str, list[float]] = {"after_batch": [], "second": [], "static": [], "apply": []}
+    keys = {name: f"8192_tokens_bytes_{name}_p50_us" for name in runs} | {
+        "apply": "apply_batch_p50_us"
+    }
     for _ in range(repeat):
         index = PrefixIndex(block_size=BLOCK)
         for batch in batches[:-queries]:
@@ -288,11 +291,7 @@ def bench_match_live(corpus: Corpus, queries: int, repeat: int) -> dict[str, Any
     return {
         "blocks_indexed": corpus.blocks,
         "queries": queries,
-        **{
-            ("apply_batch_p50_us" if name == "apply" else f"8192_tokens_bytes_{name}_p50_us"): 1e6
-            * _median(v)
-            for name, v in runs.items()
-        },
+        **{keys[name]: 1e6 * _median(v) for name, v in runs.items()},
     }
 
 

@@ -167,15 +167,13 @@ async def _kvstream_run(
         if ring_bytes is not None:
             # A long-running publisher's ring is full: fill it (untimed) so that the
             # timed run measures the ring as it is for all but its first minutes.
-            # Full: within one batch of its bound (a ring of a few large batches may
-            # never reach 90% of it), or at its count of batches.
-            largest = max(len(chunk) for chunk in kchunks) * 2048
-
+            # Full: at its count of batches, or when one more batch of the size it holds
+            # would pass its bound (a ring of a few large batches never reaches 90% of it).
             def full() -> bool:
                 st = sink.statistics()
-                return (
-                    st.ring_bytes >= min(ring_bytes * 0.9, ring_bytes - largest)
-                    or st.ring_batches >= sink.buffer_steps
+                held = st.ring_batches
+                return held >= sink.buffer_steps or (
+                    held > 0 and st.ring_bytes + st.ring_bytes // held > ring_bytes
                 )
 
             while not full():

@@ -185,19 +185,24 @@ class NodeTable:
 
     def _upsert_one(self, key: int, value: int, bucket: int, new: bool) -> None:
         """`_upsert()` of one key, from `bucket` on, in Python."""
+        at, found = self._locate(key, bucket)
+        if not found:
+            if not value and not new:
+                return  # absent, and stays so
+            self._keys.reshape(-1)[at] = key
+            self._used += 1
+        self._vals[at] = value
+
+    def _locate(self, key: int, bucket: int) -> tuple[int, bool]:
+        """From `bucket` on: the flat slot of `key` and True, or, where it would be
+        entered (the first free slot of the first bucket with room), and False."""
         keys = self._keys
         while True:
             row: list[int] = keys[bucket].tolist()
-            if not new and key in row:
-                self._vals[bucket * BUCKET + row.index(key)] = value
-                return
+            if key in row:
+                return bucket * BUCKET + row.index(key), True
             if EMPTY in row:
-                if value or new:
-                    slot = row.index(EMPTY)
-                    keys[bucket, slot] = key
-                    self._vals[bucket * BUCKET + slot] = value
-                    self._used += 1
-                return
+                return bucket * BUCKET + row.index(EMPTY), False
             bucket = (bucket + 1) % self._buckets
 
     def _home(self, k: U64) -> Any:
@@ -240,14 +245,8 @@ class NodeTable:
 
     def _probe_on(self, key: int, bucket: int) -> int:
         """The flat slot of `key`, which is not in the full bucket `bucket`; -1 if absent."""
-        keys = self._keys
-        while True:
-            bucket = (bucket + 1) % self._buckets
-            row: list[int] = keys[bucket].tolist()
-            if key in row:
-                return bucket * BUCKET + row.index(key)
-            if EMPTY in row:
-                return -1
+        at, found = self._locate(key, (bucket + 1) % self._buckets)
+        return at if found else -1
 
     def lookup(self, own: Any) -> Any:
         """Holders of each own hash (a uint64 array), 0 where none: `_slots()`,

@@ -1513,7 +1513,7 @@ class PrefixIndex:
             gone = tier_alive & ~v
             if gone:
                 tier_alive &= v
-                while gone:
+                while start and gone:  # (a run that never started is no answer)
                     low = gone & -gone
                     gone ^= low
                     tier_len[low] = start
@@ -1522,11 +1522,12 @@ class PrefixIndex:
                 held |= v >> shift
             held &= alive
             if held != alive:
-                self._score(segment, alive, weights, heaviest, score)
-                segment = {}
+                if segment:
+                    self._score(segment, alive, weights, heaviest, score)
+                    segment = {}
                 gone = alive & ~held
                 alive = held
-                while gone:
+                while start and gone:
                     low = gone & -gone
                     gone ^= low
                     ended_at[low.bit_length() - 1] = (start, prev_v)
@@ -1544,8 +1545,6 @@ class PrefixIndex:
         tiers = self._tiers
         order = self._tier_order
         for slot, (blocks, last) in ended_at.items():
-            if not blocks:
-                continue
             state = self._slots[slot]
             assert state is not None
             for t in order:
@@ -1617,13 +1616,15 @@ class PrefixIndex:
             if type(own) is list:
                 own = np.array(own, dtype=np.uint64)
             vals = table.lookup(own)
-            changed = vals[1:] != vals[:-1]
-            if not changed.any():  # one run: the usual answer
+            # the array methods, not np.flatnonzero or .any(): their Python-level
+            # dispatch costs more than the work at a few hundred blocks
+            at = (vals[1:] != vals[:-1]).nonzero()[0]
+            if not len(at):  # one run: the usual answer
                 return [(0, n)], [int(vals[0])]
-            cuts: list[int] = (np.flatnonzero(changed) + 1).tolist()
-            starts = [0, *cuts]
-            values: list[int] = vals[starts].tolist()
-            return list(zip(starts, [*cuts, n], strict=True)), values
+            at += 1
+            cuts: list[int] = at.tolist()
+            values: list[int] = [int(vals[0]), *vals[at].tolist()]
+            return list(zip([0, *cuts], [*cuts, n], strict=True)), values
         if type(own) is not list:
             own = own.tolist()
         get = self._nodes.get

@@ -8,12 +8,13 @@ to keep in order, every event takes the one-at-a-time path.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstream import PrefixIndex
-from kvstream.events import BlockRemoved, BlockStored, EventBatch, KVCacheEvent
+from kvstream.events import BlockHash, BlockRemoved, BlockStored, EventBatch, KVCacheEvent
 from kvstream.sim import SimulatedEngine, Workload
 
 B = 4
@@ -121,3 +122,163 @@ def test_bulk_apply_equals_one_event_at_a_time(seed: int, keep_removed: int, ste
             bulk.apply(batch)
             one.apply(batch)
             assert _state(bulk) == _state(one)
+
+
+def _store_batches(rng: random.Random, batches: int) -> list[list[KVCacheEvent]]:
+    """Batches of stores as the whole-batch path sees them, with what makes it step aside
+    mixed in (more in some batches than in others).
+
+    Stores chain on the previous store, on a block of an earlier batch, on a removed block
+    (`recent`), on a block in the middle of this batch, on an unknown one, or on the
+    previous store's last block named with other high bits. Placeholders name the store
+    before (on its tier too), earlier blocks or unknown ones. Also: a block stored again,
+    a new tier, an adapter, a store of twice the block size, one with more token blocks
+    than hashes, empty stores; now and then a batch of removals."""
+    out: list[list[KVCacheEvent]] = []
+    known: list[BlockHash] = []
+    next_hash = 1
+    for _ in range(batches):
+        events: list[KVCacheEvent] = []
+        if known and rng.random() < 0.2:
+            gone = rng.sample(known, min(len(known), rng.randint(1, 6)))
+            events.append(BlockRemoved(block_hashes=gone, medium="GPU"))
+            out.append(events)
+            continue
+        mess = rng.choice([0.0, 0.0, 0.3, 1.0])  # how often the unusual comes
+        last: list[BlockHash] | None = None
+        this_batch: list[BlockHash] = []
+        for _ in range(rng.randint(1, 8)):
+            roll = rng.random()
+            if last and roll < 0.2:  # the store just before, on another tier
+                events.append(
+                    BlockStored(
+                        block_hashes=last if rng.random() < 0.5 else list(last),
+                        parent_block_hash=None,
+                        token_ids=[],
+                        block_size=0,
+                        medium=rng.choice(["CPU", "CPU", "DISK", "GPU"]),
+                    )
+                )
+                continue
+            if known and roll < 0.2 + 0.1 * mess:  # blocks of earlier batches (some gone)
+                held = rng.sample(known, min(len(known), rng.randint(1, 3)))
+                if rng.random() < 0.2:
+                    held.append(10**12 + rng.randint(0, 9))
+                events.append(
+                    BlockStored(
+                        block_hashes=held,
+                        parent_block_hash=None,
+                        token_ids=[],
+                        block_size=0,
+                        medium="CPU",
+                    )
+                )
+                continue
+            pick = rng.random()
+            parent: BlockHash | None
+            if last and (pick < 0.55 or not mess):
+                parent = last[-1]
+                if rng.random() < 0.05:
+                    parent = int(parent) + (1 << 60)  # the same block to the index (60 bits)
+            elif known and pick < 0.8:
+                parent = rng.choice(known)
+            elif pick < 0.88:
+                parent = None
+            elif this_batch and pick < 0.94:
+                parent = rng.choice(this_batch)
+            else:
+                parent = 10**13 + rng.randint(0, 9)
+            m = rng.choice([1, 2, 3, 3, 0 if rng.random() < mess else 3])
+            hashes: list[BlockHash] = list(range(next_hash, next_hash + m))
+            next_hash += m
+            if known and hashes and rng.random() < 0.08 * mess + 0.04:
+                hashes[0] = rng.choice(known)  # a block stored again (or gone before)
+            size = 2 * B if rng.random() < 0.05 * mess else B
+            tokens = [rng.randrange(40) for _ in range(m * size)]
+            if tokens and rng.random() < 0.04 * mess:
+                tokens += tokens[:size]  # a block more than hashes (skipped null blocks)
+            events.append(
+                BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=parent,
+                    token_ids=tokens,
+                    block_size=size,
+                    medium=rng.choice(["GPU"] * 8 + ["CPU", "NVME"])
+                    if rng.random() < mess
+                    else "GPU",
+                    lora_name="L" if rng.random() < 0.1 * mess else None,
+                )
+            )
+            if hashes:
+                last = hashes
+                this_batch += hashes
+                known += hashes
+        out.append(events)
+    return out
+
+
+@settings(
+    max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(seed=st.integers(0, 2**16), keep_removed=st.sampled_from([0, 4, 4096]))
+def test_a_batch_of_stores_at_once_equals_one_event_at_a_time(seed: int, keep_removed: int) -> None:
+    rng = random.Random(seed)
+    bulk = PrefixIndex(block_size=B, keep_removed=keep_removed)
+    one = PrefixIndex(block_size=B, keep_removed=keep_removed, max_blocks=10**9)
+    for seq, events in enumerate(_store_batches(rng, rng.randint(3, 14))):
+        batch = EventBatch(seq=seq, ts=0.0, events=events, origin="e", epoch="x")
+        bulk.apply(batch)
+        one.apply(batch)
+        assert _state(bulk) == _state(one)
+        prompt = [t for e in events if isinstance(e, BlockStored) for t in e.token_ids]
+        assert bulk.match(prompt) == one.match(prompt)
+
+
+class _Counted(PrefixIndex):
+    """A `PrefixIndex` that records what each whole-batch attempt returned."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.taken: list[bool] = []
+
+    def _defer_batch(self, *args: Any) -> bool:
+        self.taken.append(super()._defer_batch(*args))
+        return self.taken[-1]
+
+
+def test_the_usual_batch_takes_the_whole_batch_path() -> None:
+    """A batch of chained stores with a placeholder after one goes through
+    `_defer_batch` whole, and ends as one event at a time would."""
+    bulk = _Counted(block_size=B)
+    one = PrefixIndex(block_size=B, max_blocks=10**9)
+    rng = random.Random(7)
+    parent: BlockHash | None = None
+    for seq in range(3):
+        events: list[KVCacheEvent] = []
+        for k in range(4):
+            hashes: list[BlockHash] = list(range(100 * seq + 10 * k + 1, 100 * seq + 10 * k + 4))
+            events.append(
+                BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=parent,
+                    token_ids=[rng.randrange(1000) for _ in range(3 * B)],
+                    block_size=B,
+                )
+            )
+            if k == 1:
+                events.append(
+                    BlockStored(
+                        block_hashes=hashes,
+                        parent_block_hash=None,
+                        token_ids=[],
+                        block_size=0,
+                        medium="CPU",
+                    )
+                )
+            parent = hashes[-1]
+        batch = EventBatch(seq=seq, ts=0.0, events=events, origin="e", epoch="x")
+        bulk.apply(batch)
+        one.apply(batch)
+        assert _state(bulk) == _state(one)
+    # the first batch's CPU placeholder names a tier not known yet: one at a time
+    assert bulk.taken == [False, True, True]

@@ -456,7 +456,6 @@ class PrefixIndex:
         counts["batches"] += 1
         events = item.events
         counts["events"] += len(events)
-        prepared = self._batch_values(events)
         if len(self._canon) > 65536:  # only an optimisation: start afresh
             self._canon = {}
         if len(self._dirty) + self._dirty_run_len > 65536 + len(self._nodes) // 4:
@@ -467,6 +466,11 @@ class PrefixIndex:
         # Stores whose effect on the nodes only adds bits are gathered (own hashes per
         # tier) and merged into the nodes in bulk, before any other event and at the end.
         pending: dict[int, list[int]] | None = {} if self._lru is None else None
+        if pending is not None and self._defer_batch(state, events, pending):
+            if pending:
+                self._merge(state, pending)
+            return
+        prepared = self._batch_values(events)
         for i, event in enumerate(events):
             kind = type(event)
             if kind is BlockStored:
@@ -568,6 +572,137 @@ class PrefixIndex:
             pending[t] = owns
         else:
             held += owns
+        return True
+
+    def _defer_batch(
+        self, state: _Stream, events: Sequence[Any], pending: dict[int, list[int]]
+    ) -> bool:
+        """`_defer_store()` of every event of the usual batch at once: True when each
+        event is a store it would take, all done; False, with nothing changed, otherwise.
+
+        The usual batch: only stores on known tiers, of the index's block size, without
+        adapter or extra keys, each chained on the store before it or on a block the
+        stream held before the batch, and placeholders of blocks held before the batch
+        or of the store just before them. Its tokens are hashed in one pass, one chain
+        per run of chained stores; its blocks enter the stream with one `setdefault`
+        pass; its own hashes go to `pending` in event order, as one event at a time
+        would put them.
+        """
+        if state.spans or state.orphans or not events:
+            return False
+        tiers = self._tier_index
+        blocks = state.blocks
+        recent = state.recent
+        size = self.block_size
+        hashes_all: list[BlockHash] = []  # the stores' hashes, in order
+        parts: list[list[int]] = []  # and their tokens
+        # per event with blocks: (tier, its first hash in hashes_all, count, own hashes
+        # when known: a placeholder of blocks held before the batch)
+        plan: list[tuple[int, int, int, list[int] | None]] = []
+        runs: list[tuple[int, int | None]] = []  # (first hash, its parent's key; None: root)
+        last_hashes: list[BlockHash] | None = None  # the previous store's
+        last: BlockHash | None = None  # its last block
+        one_tier = -1  # the tier of every store when they share one, else -2
+        for event in events:
+            if type(event) is not BlockStored:
+                return False
+            hashes = event.block_hashes
+            if not hashes:
+                continue
+            medium = event.medium
+            t = tiers.get("GPU" if medium is None else medium)
+            if t is None:
+                return False
+            tokens = event.token_ids
+            if not tokens:  # a placeholder
+                if t == one_tier:  # on the stores' tier: listed in event order
+                    one_tier = -2
+                if hashes == last_hashes:  # of the store just before it
+                    plan.append((t, len(hashes_all) - len(hashes), len(hashes), None))
+                    continue
+                found = list(map(blocks.get, _fold_all(hashes)))
+                if None in found:
+                    return False
+                plan.append((t, 0, len(hashes), cast("list[int]", found)))
+                continue
+            if (
+                event.block_size != size
+                or len(tokens) != size * len(hashes)
+                or event.lora_name is not None
+                or event.extra_keys is not None
+            ):
+                return False
+            start = len(hashes_all)
+            parent = event.parent_block_hash
+            if parent is None:
+                runs.append((start, None))
+            elif parent != last:  # (equal: chained on the store before, the run goes on)
+                key = parent & _ENGINE_MASK if type(parent) is int else fold_engine_hash(parent)
+                if last is None or key != (
+                    last & _ENGINE_MASK if type(last) is int else fold_engine_hash(last)
+                ):
+                    if key not in blocks and key not in recent:
+                        return False  # (on a block of this batch but the last: one at a time)
+                    runs.append((start, key))
+            if one_tier != t:
+                one_tier = t if one_tier == -1 and not plan else -2
+            plan.append((t, start, len(hashes), None))
+            hashes_all += hashes
+            parts.append(tokens)
+            last_hashes = hashes
+            last = hashes[-1]
+        owns_all: list[int] = []
+        if hashes_all:
+            keys_all = _fold_all(hashes_all)
+            if recent and not recent.keys().isdisjoint(keys_all):
+                return False
+            data = array("I")
+            try:
+                if sys.byteorder == "big":  # pragma: no cover - the hash reads little-endian
+                    raise TypeError
+                for tokens in parts:
+                    data.fromlist(tokens)
+            except (OverflowError, TypeError):  # wide or bad tokens: the general path
+                return False
+            hasher = self._hasher
+            n = len(hashes_all)
+            fin = hasher.finish(hasher.values(data, n))
+            ends = [first for first, _ in runs[1:]]
+            ends.append(n)
+            for (first, on), end in zip(runs, ends, strict=True):
+                if on is None:
+                    prev = hasher.root
+                else:
+                    got = blocks.get(on)
+                    prev = recent[on] if got is None else got
+                run = hasher.chain_array(prev, fin[first:end])
+                if not run.min() > 256:  # an own hash that may be a cached small int
+                    return False
+                owns_all += run.tolist()
+            before = len(blocks)
+            olds = list(map(blocks.setdefault, keys_all, owns_all))
+            if len(blocks) - before != n:  # some block held already: undo
+                for key, old, own in zip(keys_all, olds, owns_all, strict=True):
+                    if old is own:  # entered now (a key named twice is entered once)
+                        blocks.pop(key, None)
+                return False
+            state.block_size = size
+        stored = 0
+        if one_tier >= 0:  # the stores, first in the batch, on one tier: one list
+            pending[one_tier] = owns_all
+            stored = len(owns_all)
+        for t, start, m, owns in plan:
+            if t == one_tier:  # a store, listed above
+                continue
+            if owns is None:
+                owns = owns_all[start : start + m]
+            held = pending.get(t)
+            if held is None:
+                pending[t] = owns
+            else:
+                held += owns
+            stored += m
+        self._counts["blocks_stored"] += stored
         return True
 
     def _merge(self, state: _Stream, pending: dict[int, list[int]]) -> None:

@@ -20,6 +20,13 @@ from kvstream.sim import SimulatedEngine, Workload
 B = 4
 
 
+def _placeholder(hashes: list[BlockHash], medium: str) -> BlockStored:
+    """A store without tokens: blocks the stream holds, now on `medium` too."""
+    return BlockStored(
+        block_hashes=hashes, parent_block_hash=None, token_ids=[], block_size=0, medium=medium
+    )
+
+
 def _stirred(events: list[KVCacheEvent], rng: random.Random) -> list[KVCacheEvent]:
     """The engine's events, with the unusual ones a batch may hold mixed in: a store
     again (same or other tier), a placeholder, a removal repeated or of an unknown block,
@@ -150,29 +157,14 @@ def _store_batches(rng: random.Random, batches: int) -> list[list[KVCacheEvent]]
         for _ in range(rng.randint(1, 8)):
             roll = rng.random()
             if last and roll < 0.2:  # the store just before, on another tier
-                events.append(
-                    BlockStored(
-                        block_hashes=last if rng.random() < 0.5 else list(last),
-                        parent_block_hash=None,
-                        token_ids=[],
-                        block_size=0,
-                        medium=rng.choice(["CPU", "CPU", "DISK", "GPU"]),
-                    )
-                )
+                medium = rng.choice(["CPU", "CPU", "DISK", "GPU"])
+                events.append(_placeholder(last if rng.random() < 0.5 else list(last), medium))
                 continue
             if known and roll < 0.2 + 0.1 * mess:  # blocks of earlier batches (some gone)
                 held = rng.sample(known, min(len(known), rng.randint(1, 3)))
                 if rng.random() < 0.2:
                     held.append(10**12 + rng.randint(0, 9))
-                events.append(
-                    BlockStored(
-                        block_hashes=held,
-                        parent_block_hash=None,
-                        token_ids=[],
-                        block_size=0,
-                        medium="CPU",
-                    )
-                )
+                events.append(_placeholder(held, "CPU"))
                 continue
             pick = rng.random()
             parent: BlockHash | None
@@ -266,15 +258,7 @@ def test_the_usual_batch_takes_the_whole_batch_path() -> None:
                 )
             )
             if k == 1:
-                events.append(
-                    BlockStored(
-                        block_hashes=hashes,
-                        parent_block_hash=None,
-                        token_ids=[],
-                        block_size=0,
-                        medium="CPU",
-                    )
-                )
+                events.append(_placeholder(hashes, "CPU"))
             parent = hashes[-1]
         batch = EventBatch(seq=seq, ts=0.0, events=events, origin="e", epoch="x")
         bulk.apply(batch)

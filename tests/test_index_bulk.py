@@ -266,3 +266,30 @@ def test_the_usual_batch_takes_the_whole_batch_path() -> None:
         assert _state(bulk) == _state(one)
     # the first batch's CPU placeholder names a tier not known yet: one at a time
     assert bulk.taken == [False, True, True]
+
+
+def test_a_batch_the_whole_batch_path_leaves_to_one_event_at_a_time() -> None:
+    """Tokens of 32 bits or more, and a block stored again after its removal (held in
+    `recent`), send the batch the one-at-a-time way, with the same end."""
+    bulk = _Counted(block_size=B, keep_removed=8)
+    one = PrefixIndex(block_size=B, keep_removed=8, max_blocks=10**9)
+    tokens = list(range(3 * B))
+
+    def store(hashes: list[BlockHash], parent: BlockHash | None, toks: list[int]) -> BlockStored:
+        return BlockStored(
+            block_hashes=hashes, parent_block_hash=parent, token_ids=toks, block_size=B
+        )
+
+    batches: list[list[KVCacheEvent]] = [
+        [store([1, 2, 3], None, tokens)],  # a tier the index does not know yet
+        [store([4, 5, 6], 3, tokens)],  # the usual batch: taken whole
+        [store([7, 8, 9], 6, [2**32 + t for t in tokens])],  # wide tokens
+        [BlockRemoved(block_hashes=[9], medium="GPU")],
+        [store([9], 8, tokens[:B])],  # block 9 again, after its removal
+    ]
+    for seq, events in enumerate(batches):
+        batch = EventBatch(seq=seq, ts=0.0, events=events, origin="e", epoch="x")
+        bulk.apply(batch)
+        one.apply(batch)
+        assert _state(bulk) == _state(one)
+    assert bulk.taken == [False, True, False, False, False]

@@ -676,7 +676,7 @@ class PrefixIndex:
                     got = blocks.get(on)
                     prev = recent[on] if got is None else got
                 run = hasher.chain_array(prev, fin[first:end])
-                if not run.min() > 256:  # an own hash that may be a cached small int
+                if not run.min() > 256:  # pragma: no cover - one in 2**52: a cached small int
                     return False
                 owns_all += run.tolist()
             before = len(blocks)

@@ -293,3 +293,34 @@ def test_a_batch_the_whole_batch_path_leaves_to_one_event_at_a_time() -> None:
         one.apply(batch)
         assert _state(bulk) == _state(one)
     assert bulk.taken == [False, True, False, False, False]
+
+
+def test_removals_naming_one_block_twice_end_as_one_at_a_time() -> None:
+    """A removal naming one engine block twice, or naming two engine blocks of the same
+    own block (the same tokens stored on two tiers under other hashes), leaves the index
+    as the one taking every event alone leaves it."""
+    bulk = PrefixIndex(block_size=B, keep_removed=8)
+    one = PrefixIndex(block_size=B, keep_removed=8, max_blocks=10**9)
+    tokens = list(range(2 * B))
+
+    def store(hashes: list[BlockHash], medium: str = "GPU") -> BlockStored:
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=None,
+            token_ids=tokens,
+            block_size=B,
+            medium=medium,
+        )
+
+    batches: list[list[KVCacheEvent]] = [
+        [store([1, 2])],
+        [store([3, 4], "CPU")],  # the same blocks, on CPU, under other hashes
+        [BlockRemoved(block_hashes=[2, 2], medium="GPU")],
+        [BlockRemoved(block_hashes=[1, 3], medium="GPU")],
+        [BlockRemoved(block_hashes=[3, 4], medium="CPU")],
+    ]
+    for seq, events in enumerate(batches):
+        batch = EventBatch(seq=seq, ts=0.0, events=events, origin="e", epoch="x")
+        bulk.apply(batch)
+        one.apply(batch)
+        assert _state(bulk) == _state(one)

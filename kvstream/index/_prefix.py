@@ -637,10 +637,8 @@ class PrefixIndex:
             if parent is None:
                 runs.append((start, None))
             elif parent != last:  # (equal: chained on the store before, the run goes on)
-                key = parent & _ENGINE_MASK if type(parent) is int else fold_engine_hash(parent)
-                if last is None or key != (
-                    last & _ENGINE_MASK if type(last) is int else fold_engine_hash(last)
-                ):
+                key = fold_engine_hash(parent)  # (a run starts, or the same block renamed)
+                if last is None or key != fold_engine_hash(last):
                     if key not in blocks and key not in recent:
                         return False  # (on a block of this batch but the last: one at a time)
                     runs.append((start, key))

@@ -184,20 +184,22 @@ class NodeTable:
             rows = keys.take(b, axis=0)
             done = np.zeros(len(pending), dtype=bool)
             if not new:
-                match = rows == want[:, None]
-                found = match.view(np.uint64).ravel() != 0
+                hit = (rows == want[:, None]).view(np.uint64).ravel()
+                found = hit != 0
                 if found.any():
-                    vals[b[found] * BUCKET + match[found].argmax(axis=1)] = v[pending[found]]
+                    vals[b[found] * BUCKET + self._byte_index(hit[found])] = v[pending[found]]
                     done = found
-            free = rows == EMPTY
-            room = free.view(np.uint64).ravel() != 0
+            free = (rows == EMPTY).view(np.uint64).ravel()
+            room = free != 0
             open_ = room & ~done
             if not new:
                 dead = open_ & (v[pending] == 0)  # absent, and stays so
                 done |= dead
                 open_ &= ~dead
             if open_.any():
-                at = b[open_] * BUCKET + free[open_].argmax(axis=1)
+                first = free[open_]
+                first &= np.negative(first)  # the first free slot's byte alone
+                at = b[open_] * BUCKET + self._byte_index(first)
                 claim = want[open_]
                 flat_keys[at] = claim  # several on one slot: one of them stays
                 won = flat_keys[at] == claim
@@ -241,6 +243,16 @@ class NodeTable:
         h >>= self._s32
         return h.view(np.intp)  # below 2**32: the same as signed
 
+    def _byte_index(self, rows: Any) -> Any:
+        """Per row of BUCKET booleans read as one uint64 with exactly one True (or
+        none: 0), the index of that True, as intp: a multiplication moves it to the top
+        byte (`argmax(axis=1)` over the booleans costs about three times more)."""
+        import numpy as np
+
+        pos = rows * self._pick
+        pos >>= self._s56
+        return pos.view(np.intp)  # below 8: the same as signed
+
     def _slots(self, k: U64) -> Any:
         """The flat slot of each key `k`; -1 where it is not in the table.
 
@@ -253,13 +265,10 @@ class NodeTable:
         bucket = self._home(k)
         rows = self._keys.take(bucket, axis=0)  # take: much faster than keys[bucket]
         # A row's 8 booleans read as one uint64 (much cheaper than any(axis=1)): 0 = no
-        # match; else one byte is set (a key is at most once in the table), and a
-        # multiplication moves its index to the top byte (argmax(axis=1) costs 3x more).
+        # match, else one byte is set (a key is at most once in the table).
         hit = (rows == k[:, None]).view(np.uint64).ravel()
         at = bucket << self._s3
-        pos = hit * self._pick
-        pos >>= self._s56
-        at += pos.view(np.intp)
+        at += self._byte_index(hit)
         if np.count_nonzero(hit) == len(k):
             return at
         missing = (hit == 0).nonzero()[0]

@@ -13,6 +13,17 @@ thread CPU and time off CPU per step, its context switches per step
 and the CPU per step of every other thread of the process that ran (the
 publisher's thread or loop, ZMQ's I/O thread), from `/proc/self/task/*`
 (Linux). The last lines are the medians of the per-round ratios.
+
+    python benchmarks/profile_busy_engine.py --interleave 25 --chunks 100 --idle-poll 0.005,0.02
+
+`--interleave N` instead keeps every publisher alive side by side (the
+vLLM-design one, and kvstream's `EventPublisher` once per `--idle-poll` value)
+and alternates them every N steps, draining each (untimed) before the next
+takes over, so that the machine's drift lands on all of them alike. Per
+publisher it prints the engine's steps/s over all its chunks, its thread CPU
+and time off CPU per step (`time.thread_time()`: the time off CPU is mostly
+waiting for the GIL), and two ratios over the vLLM design: of the total times
+(what the target asks) and the median of the per-chunk ratios.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import os
 import statistics
 import threading
 import time
+from functools import partial
 from typing import Any
 
 from kvstream._bench import publisher_compare as pc
@@ -84,12 +96,104 @@ def _run(make: Any, counter: CounterProcess, steps: list[Any], probe: Any, loops
     return n / took
 
 
+def _drop_in(endpoint: str, idle_poll: float) -> Any:
+    """kvstream's drop-in publisher as the benchmark builds it, with `idle_poll`."""
+    from kvstream.publisher import EventPublisher
+
+    pub = pc._DropIn.__new__(pc._DropIn)
+    pub.pub = EventPublisher.from_kv_events_config(
+        {"endpoint": endpoint, "replay_endpoint": "tcp://127.0.0.1:*"},
+        origin="bench-0",
+        sink_options={"bind": True},
+        idle_poll=idle_poll,
+    )
+    pub.sink = pub.pub.scheduler.sinks[0]
+    pub.publish = pub.pub.publish
+    pub._target = 0
+    return pub
+
+
+def _interleaved(args: argparse.Namespace) -> int:
+    """Every publisher alive at once, alternating per chunk of `args.interleave` steps."""
+    pool = event_pool()
+    loops = pc.calibrate_busy_work()
+    probe = to_vllm_batch(batches(pool, 1, 1)[0], rank=False)
+    cache: dict[int, Any] = {}
+    shaped = batches(pool, args.events, args.interleave)
+    chunk = [to_vllm_batch(b, cache, rank=False) for b in shaped]
+    names = ["vLLM design"] + [f"kvstream idle_poll={v:g}" for v in args.idle_poll]
+    pubs: dict[str, Any] = {}
+    counters: list[CounterProcess] = []
+    times: dict[str, list[float]] = {name: [] for name in names}
+    cpus: dict[str, list[float]] = {name: [] for name in names}
+    try:
+        for i, name in enumerate(names):
+            endpoint = f"tcp://127.0.0.1:{pc._free_port()}"
+            counters.append(CounterProcess("zmq", endpoint))
+            pub = pc._Baseline(endpoint) if i == 0 else _drop_in(endpoint, args.idle_poll[i - 1])
+            pubs[name] = pub
+            counters[-1].wait_ready(partial(pub.publish, probe))
+        for c in range(args.chunks + 2):  # the first two chunks warm up, untimed
+            for name in names[c % len(names) :] + names[: c % len(names)]:
+                pub = pubs[name]
+                publish = pub.publish
+                cpu = time.thread_time()
+                start = time.perf_counter()
+                for batch in chunk:
+                    pc.busy_work(loops)
+                    publish(batch)
+                took = time.perf_counter() - start
+                cpu = time.thread_time() - cpu
+                pub.expect(0)
+                pub.wait_sent()  # drained before the next takes over, untimed
+                if c >= 2:
+                    times[name].append(took)
+                    cpus[name].append(cpu)
+    finally:
+        for pub in pubs.values():
+            pub.close()
+        for counter in counters:
+            counter.close()
+    base = names[0]
+    steps = args.interleave * args.chunks
+    print(
+        f"{args.events} events/step, {args.chunks} chunks of {args.interleave} steps per publisher"
+    )
+    for name in names:
+        total, cpu = sum(times[name]), sum(cpus[name])
+        paired = statistics.median(b / k for k, b in zip(times[name], times[base], strict=True))
+        print(
+            f"  {name:28s} {steps / total:7.1f} steps/s  engine CPU {cpu / steps * 1e6:6.0f} us"
+            f"  off CPU {(total - cpu) / steps * 1e6:5.0f} us per step"
+            f"  | over the vLLM design: total {sum(times[base]) / total:.3f}"
+            f", median of chunks {paired:.3f}",
+            flush=True,
+        )
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--events", type=int, default=16, help="events per step (16)")
     p.add_argument("--steps", type=int, default=500, help="steps per run (500)")
     p.add_argument("--rounds", type=int, default=8, help="rounds, each both publishers (8)")
+    p.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        metavar="N",
+        help="publishers side by side, alternating every N steps (0: whole runs)",
+    )
+    p.add_argument("--chunks", type=int, default=100, help="with --interleave: chunks each (100)")
+    p.add_argument(
+        "--idle-poll",
+        type=lambda text: [float(v) for v in text.split(",")],
+        default=[0.005],
+        help="with --interleave: kvstream's idle_poll values, comma-separated (0.005)",
+    )
     args = p.parse_args()
+    if args.interleave:
+        return _interleaved(args)
     pool = event_pool()
     loops = pc.calibrate_busy_work()
     endpoints = {k: f"tcp://127.0.0.1:{pc._free_port()}" for k in ("baseline", "kvstream")}

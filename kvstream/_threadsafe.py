@@ -98,6 +98,10 @@ class ThreadsafeHandle:
         #: by itself (see `step()`); `_lingering` is True during that time.
         self._linger = float(idle_poll)
         self._lingering = False
+        #: Whether the loop side polls (`idle_poll`) the next time it runs out of work:
+        #: not after a poll found nothing, until a step comes within `idle_poll` of the
+        #: loop running out of work (a slower engine would pay an empty poll per step).
+        self._poll_next = True
         #: What the loop side waits on while idle; a wake resolves it.
         self._waiter: asyncio.Future[None] | None = None
         #: The `idle_poll` timer while the loop side lingers.
@@ -120,6 +124,8 @@ class ThreadsafeHandle:
         #: Bursts of steps the loop side worked through in its `idle_poll` timer,
         #: without a task switch.
         self.bursts_inline = 0
+        #: `idle_poll` timers that found nothing to do (each one a wake-up for nothing).
+        self.polls_empty = 0
 
     # -- the engine's side (any thread) ---------------------------------------------------
 
@@ -159,6 +165,9 @@ class ThreadsafeHandle:
         by itself when that time is up. An engine stepping faster than that hands its
         steps over without a wake-up each (whose self-pipe write lets the loop take the
         GIL from the engine mid-step), at the price of up to `idle_poll` of latency.
+        A poll that finds nothing parks the loop side, and it does not poll again until a
+        step comes within `idle_poll` of its running out of work: an engine stepping
+        slower than that wakes it once per step, with no empty poll between its steps.
         `tick()` and `flush()` always wake it: someone waits for them.
         """
         self._hand_over((_STEP, events, ts, data_parallel_rank), True, urgent=False)
@@ -198,8 +207,12 @@ class ThreadsafeHandle:
         """
         with self._lock:
             self._lingering = False
-            if not self._entries or not self._idle:
-                return  # parked: the next hand-off wakes it
+            if not self._idle:
+                return  # woken meanwhile: the task has it
+            if not self._entries:  # parked: the next hand-off wakes it
+                self.polls_empty += 1
+                self._poll_next = False
+                return
             self._idle = False
         if not self._work_through():
             self._wake()
@@ -367,15 +380,19 @@ class ThreadsafeHandle:
                     if self._closed:
                         break
                     self._idle = True
-                    self._lingering = self._linger > 0
-                if self._linger:
+                    self._lingering = poll = self._linger > 0 and self._poll_next
+                if poll:
                     self._timer = loop.call_later(self._linger, self._linger_over)
+                idle_since = loop.time()
                 try:
                     await waiter
                 finally:
                     if self._timer is not None:
                         self._timer.cancel()
                         self._timer = None
+                if not self._poll_next and loop.time() - idle_since < self._linger:
+                    # the step came within idle_poll: a poll would have found it
+                    self._poll_next = True
                 if self._dispatch_pending:
                     self._dispatch_pending = False
                     await self._see_dispatched()

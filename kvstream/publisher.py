@@ -346,7 +346,7 @@ def from_vllm_event(event: object) -> KVCacheEvent:
 
 #: How long the publisher's loop, out of work, still looks for steps by itself:
 #: an engine stepping faster hands its steps over without a wake-up each.
-DEFAULT_IDLE_POLL: Final = 0.005
+DEFAULT_IDLE_POLL: Final = 0.02
 
 #: How much of a step of vLLM's structs is checked before it goes out as it is.
 StepCheck = Literal["sample", "all"]

@@ -6,15 +6,17 @@
 The engine's thread does about 2 ms of Python per step and then publishes one
 step of vLLM's structs (the same workload and calibration as
 `kvstream bench --only publisher`), 500 steps per run, the vLLM-design
-publisher and kvstream's `EventPublisher` alternating, each to a counting
-subscriber in another process. Per run it prints the engine's steps/s, its
-thread CPU and time off CPU per step, its context switches per step
+publisher and kvstream's `EventPublisher` (once per `--idle-poll` value)
+alternating, each to a counting subscriber in another process. Per run it
+prints the engine's steps/s, its thread CPU and time off CPU per step, its
+context switches per step
 (voluntary: it waited, mostly for the GIL; involuntary: it was preempted),
 and the CPU per step of every other thread of the process that ran (the
 publisher's thread or loop, ZMQ's I/O thread), from `/proc/self/task/*`
 (Linux). The last lines are the medians of the per-round ratios.
 
     python benchmarks/profile_busy_engine.py --interleave 25 --chunks 100 --idle-poll 0.005,0.02
+    python benchmarks/profile_busy_engine.py --pace 0.01 --steps 300 --idle-poll 0.005,0.02
 
 `--interleave N` instead keeps every publisher alive side by side (the
 vLLM-design one, and kvstream's `EventPublisher` once per `--idle-poll` value)
@@ -24,6 +26,10 @@ publisher it prints the engine's steps/s over all its chunks, its thread CPU
 and time off CPU per step (`time.thread_time()`: the time off CPU is mostly
 waiting for the GIL), and two ratios over the vLLM design: of the total times
 (what the target asks) and the median of the per-chunk ratios.
+
+`--pace S` makes the engine sleep to one step every S seconds instead of
+working: with no contention for the GIL, the other threads' CPU per step is
+what each publisher costs by itself at that cadence (every wake-up included).
 """
 
 from __future__ import annotations
@@ -65,15 +71,39 @@ def _threads() -> dict[int, dict[str, int]]:
     return found
 
 
-def _run(make: Any, counter: CounterProcess, steps: list[Any], probe: Any, loops: int) -> float:
+def _paced(pace: float) -> Any:
+    """Each step, wait (the GIL released) until `pace` seconds after the last one."""
+    due = time.perf_counter()
+
+    def wait(_loops: int) -> None:
+        nonlocal due
+        due += pace
+        while (left := due - time.perf_counter()) > 0.0002:
+            time.sleep(min(left - 0.0001, 0.001))
+        while time.perf_counter() < due:
+            pass
+
+    return wait
+
+
+def _run(
+    name: str,
+    make: Any,
+    counter: CounterProcess,
+    steps: list[Any],
+    probe: Any,
+    loops: int,
+    pace: float = 0.0,
+) -> float:
     pub = make()
     try:
         counter.wait_ready(lambda: pub.publish(probe))
+        work = _paced(pace) if pace else pc.busy_work
         me = threading.get_native_id()
         before = _threads()
         start = time.perf_counter()
         for batch in steps:
-            pc.busy_work(loops)
+            work(loops)
             pub.publish(batch)
         took = time.perf_counter() - start
         after = _threads()
@@ -86,7 +116,7 @@ def _run(make: Any, counter: CounterProcess, steps: list[Any], probe: Any, loops
         if tid != me and tid in before and now["cpu_ns"] - before[tid]["cpu_ns"] > 1_000_000:
             others.append((now["cpu_ns"] - before[tid]["cpu_ns"]) / n / 1e3)
     print(
-        f"  {pub.name:25s} {n / took:7.1f} steps/s  engine CPU {engine['cpu_ns'] / n / 1e3:6.0f} us"
+        f"  {name:28s} {n / took:7.1f} steps/s  engine CPU {engine['cpu_ns'] / n / 1e3:6.0f} us"
         f"  off CPU {(took * 1e9 - engine['cpu_ns']) / n / 1e3:5.0f} us"
         f"  switches vol {engine['voluntary'] / n:.2f} invol {engine['nonvoluntary'] / n:.2f}"
         f"  | other threads, CPU per step: "
@@ -188,41 +218,51 @@ def main() -> int:
     p.add_argument(
         "--idle-poll",
         type=lambda text: [float(v) for v in text.split(",")],
-        default=[0.005],
-        help="with --interleave: kvstream's idle_poll values, comma-separated (0.005)",
+        default=[0.02],
+        help="kvstream's idle_poll values, comma-separated: one publisher each (0.02)",
+    )
+    p.add_argument(
+        "--pace",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="whole runs: the engine sleeps to one step every S seconds instead of "
+        "working (no GIL contention: what each publisher's threads cost per step)",
     )
     args = p.parse_args()
     if args.interleave:
         return _interleaved(args)
     pool = event_pool()
     loops = pc.calibrate_busy_work()
-    endpoints = {k: f"tcp://127.0.0.1:{pc._free_port()}" for k in ("baseline", "kvstream")}
-    counters = {k: CounterProcess("zmq", v) for k, v in endpoints.items()}
-    makers = {
-        "baseline": lambda: pc._Baseline(endpoints["baseline"]),
-        "kvstream": lambda: pc._DropIn(endpoints["kvstream"]),
-    }
+    names = ["vLLM design"] + [f"kvstream idle_poll={v:g}" for v in args.idle_poll]
+    endpoints = {name: f"tcp://127.0.0.1:{pc._free_port()}" for name in names}
+    counters = {name: CounterProcess("zmq", endpoints[name]) for name in names}
+    makers: dict[str, Any] = {names[0]: partial(pc._Baseline, endpoints[names[0]])}
+    for name, idle_poll in zip(names[1:], args.idle_poll, strict=True):
+        makers[name] = partial(_drop_in, endpoints[name], idle_poll)
     probe = to_vllm_batch(batches(pool, 1, 1)[0], rank=False)
     cache: dict[int, Any] = {}
     steps = [to_vllm_batch(b, cache, rank=False) for b in batches(pool, args.events, args.steps)]
-    rates: dict[str, list[float]] = {"baseline": [], "kvstream": []}
+    rates: dict[str, list[float]] = {name: [] for name in names}
     try:
         for r in range(args.rounds + 1):  # the first round warms up, untimed
             print(f"round {r}" + (" (warm-up)" if r == 0 else ""))
-            for name in ("baseline", "kvstream") if r % 2 else ("kvstream", "baseline"):
-                rate = _run(makers[name], counters[name], steps, probe, loops)
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                rate = _run(name, makers[name], counters[name], steps, probe, loops, args.pace)
                 if r:
                     rates[name].append(rate)
     finally:
         for counter in counters.values():
             counter.close()
-    ratio = statistics.median(
-        k / b for k, b in zip(rates["kvstream"], rates["baseline"], strict=True)
-    )
-    print(
-        f"{args.events} events/step: kvstream over the vLLM design, "
-        f"median of {args.rounds} rounds: {ratio:.3f}"
-    )
+    if not args.pace:
+        for name in names[1:]:
+            ratio = statistics.median(
+                k / b for k, b in zip(rates[name], rates[names[0]], strict=True)
+            )
+            print(
+                f"{args.events} events/step, {name}: over the vLLM design, "
+                f"median of {args.rounds} rounds: {ratio:.3f}"
+            )
     return 0
 
 

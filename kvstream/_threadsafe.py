@@ -102,6 +102,8 @@ class ThreadsafeHandle:
         #: not after a poll found nothing, until a step comes within `idle_poll` of the
         #: loop running out of work (a slower engine would pay an empty poll per step).
         self._poll_next = True
+        #: When the loop side last ran out of work (the loop's clock).
+        self._idle_since = 0.0
         #: What the loop side waits on while idle; a wake resolves it.
         self._waiter: asyncio.Future[None] | None = None
         #: The `idle_poll` timer while the loop side lingers.
@@ -228,6 +230,7 @@ class ThreadsafeHandle:
         if wake:
             self._wake()
         else:
+            self._idle_since = self._loop.time()
             self._timer = self._loop.call_later(self._linger, self._linger_over)
 
     def _work_through(self) -> bool:
@@ -383,14 +386,14 @@ class ThreadsafeHandle:
                     self._lingering = poll = self._linger > 0 and self._poll_next
                 if poll:
                     self._timer = loop.call_later(self._linger, self._linger_over)
-                idle_since = loop.time()
+                self._idle_since = loop.time()
                 try:
                     await waiter
                 finally:
                     if self._timer is not None:
                         self._timer.cancel()
                         self._timer = None
-                if not self._poll_next and loop.time() - idle_since < self._linger:
+                if not self._poll_next and loop.time() - self._idle_since < self._linger:
                     # the step came within idle_poll: a poll would have found it
                     self._poll_next = True
                 if self._dispatch_pending:

@@ -302,7 +302,7 @@ def test_steps_ticks_and_flushes_with_idle_poll_keep_order_under_a_slow_block_si
 
 
 def test_an_engine_stepping_slower_than_idle_poll_pays_no_empty_poll_per_step() -> None:
-    # Steps 120 ms apart, idle_poll 30 ms: the first poll finds nothing and parks the
+    # Steps 120 ms apart, idle_poll 30 ms: the first poll that finds nothing parks the
     # loop without the next one, so every later step wakes it once and no poll runs
     # empty between steps. Steps that come closer again bring the poll back: a burst
     # 5 ms apart needs no wake-up after its first step.
@@ -316,14 +316,18 @@ def test_an_engine_stepping_slower_than_idle_poll_pays_no_empty_poll_per_step() 
             handle.step([ev(i)])
             time.sleep(0.12)
         handle.flush(10.0)
-        assert handle.polls_empty == 1
-        assert handle.wakeups == 5
+        # one empty poll after the first step (two if the loop polled before it came);
+        # every later step woke the loop itself
+        assert handle.polls_empty <= 2
+        assert handle.wakeups >= 4
         woken = handle.wakeups
         for i in range(5, 15):
             handle.step([ev(i)])
             time.sleep(0.005)
         handle.flush(10.0)
         assert [b.events for b in sink.batches] == [[ev(i)] for i in range(15)]
-        assert handle.wakeups - woken <= 3  # the burst's first step, and the flush's
+        # the burst's first step and the flush woke it (with room for a slow machine);
+        # with no poll, each of its 10 steps would
+        assert handle.wakeups - woken <= 5
     finally:
         runner.close()

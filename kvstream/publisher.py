@@ -609,7 +609,9 @@ class EventPublisher:
     how long (seconds) the loop, out of work, still looks for steps by itself,
     so that an engine stepping faster than that hands a step over without waking
     it (see [`ThreadsafeHandle.step()`][kvstream._threadsafe.ThreadsafeHandle.step];
-    0 wakes it for every step after idle).
+    0 wakes it for every step after idle). The default, 20 ms, is also how long such
+    a step may wait before it goes out; lower it for fresher events at the price of
+    more wake-ups (each costs the loop's thread more CPU than the step's own work).
     """
 
     def __init__(

@@ -169,6 +169,16 @@ def test_flush_waits_for_every_entry() -> None:
         assert kv.pending() == 0
 
 
+def _steps_apart(handle: ThreadsafeHandle, steps: range, gap: float) -> None:
+    """One step per event of `steps`, `gap` seconds apart, then a flush."""
+    import time
+
+    for i in steps:
+        handle.step([ev(i)])
+        time.sleep(gap)
+    handle.flush(10.0)
+
+
 @pytest.mark.parametrize(("idle_poll", "wakes_at_most"), [(0.0, None), (0.9, 1)])
 def test_idle_poll_hands_steps_over_without_a_wake_each(
     idle_poll: float, wakes_at_most: int | None
@@ -176,16 +186,11 @@ def test_idle_poll_hands_steps_over_without_a_wake_each(
     # Steps 50 ms apart: without idle_poll each finds the loop parked and wakes it;
     # with it, the loop still looks by itself and no step needs a wake-up. Either
     # way every step is its batch, in order.
-    import time
-
     sink = MemorySink()
     runner = LoopThread(Scheduler(sinks=[sink], origin="engine"), idle_poll=idle_poll)
     try:
         handle = runner.handle
-        for i in range(6):
-            handle.step([ev(i)])
-            time.sleep(0.05)
-        handle.flush(10.0)
+        _steps_apart(handle, range(6), 0.05)
         assert [b.events for b in sink.batches] == [[ev(i)] for i in range(6)]
         if wakes_at_most is None:
             assert handle.wakeups >= 5
@@ -306,25 +311,17 @@ def test_an_engine_stepping_slower_than_idle_poll_pays_no_empty_poll_per_step() 
     # loop without the next one, so every later step wakes it once and no poll runs
     # empty between steps. Steps that come closer again bring the poll back: a burst
     # 5 ms apart needs no wake-up after its first step.
-    import time
-
     sink = MemorySink()
     runner = LoopThread(Scheduler(sinks=[sink], origin="engine"), idle_poll=0.03)
     try:
         handle = runner.handle
-        for i in range(5):
-            handle.step([ev(i)])
-            time.sleep(0.12)
-        handle.flush(10.0)
+        _steps_apart(handle, range(5), 0.12)
         # one empty poll after the first step (two if the loop polled before it came);
         # every later step woke the loop itself
         assert handle.polls_empty <= 2
         assert handle.wakeups >= 4
         woken = handle.wakeups
-        for i in range(5, 15):
-            handle.step([ev(i)])
-            time.sleep(0.005)
-        handle.flush(10.0)
+        _steps_apart(handle, range(5, 15), 0.005)
         assert [b.events for b in sink.batches] == [[ev(i)] for i in range(15)]
         # the burst's first step and the flush woke it (with room for a slow machine);
         # with no poll, each of its 10 steps would

@@ -20,12 +20,12 @@ publisher's thread or loop, ZMQ's I/O thread), from `/proc/self/task/*`
 
 `--interleave N` instead keeps every publisher alive side by side (the
 vLLM-design one, and kvstream's `EventPublisher` once per `--idle-poll` value)
-and alternates them every N steps, draining each (untimed) before the next
-takes over, so that the machine's drift lands on all of them alike. Per
-publisher it prints the engine's steps/s over all its chunks, its thread CPU
-and time off CPU per step (`time.thread_time()`: the time off CPU is mostly
-waiting for the GIL), and two ratios over the vLLM design: of the total times
-(what the target asks) and the median of the per-chunk ratios.
+and lets them take turns every N steps (`publisher_compare.busy_chunks()`, what
+`kvstream bench` measures), each turn timed until its publisher has sent every
+step of it. Per publisher it prints the engine's steps/s over all its turns,
+its thread CPU and time off CPU per step (`time.thread_time()`: off CPU, the
+engine waits for the GIL or for the publisher to finish the turn), and the
+ratio over the vLLM design.
 
 `--pace S` makes the engine sleep to one step every S seconds instead of
 working: with no contention for the GIL, the other threads' CPU per step is
@@ -154,8 +154,6 @@ def _interleaved(args: argparse.Namespace) -> int:
     names = ["vLLM design"] + [f"kvstream idle_poll={v:g}" for v in args.idle_poll]
     pubs: dict[str, Any] = {}
     counters: list[CounterProcess] = []
-    times: dict[str, list[float]] = {name: [] for name in names}
-    cpus: dict[str, list[float]] = {name: [] for name in names}
     try:
         for i, name in enumerate(names):
             endpoint = f"tcp://127.0.0.1:{pc._free_port()}"
@@ -163,22 +161,7 @@ def _interleaved(args: argparse.Namespace) -> int:
             pub = pc._Baseline(endpoint) if i == 0 else _drop_in(endpoint, args.idle_poll[i - 1])
             pubs[name] = pub
             counters[-1].wait_ready(partial(pub.publish, probe))
-        for c in range(args.chunks + 2):  # the first two chunks warm up, untimed
-            for name in names[c % len(names) :] + names[: c % len(names)]:
-                pub = pubs[name]
-                publish = pub.publish
-                cpu = time.thread_time()
-                start = time.perf_counter()
-                for batch in chunk:
-                    pc.busy_work(loops)
-                    publish(batch)
-                took = time.perf_counter() - start
-                cpu = time.thread_time() - cpu
-                pub.expect(0)
-                pub.wait_sent()  # drained before the next takes over, untimed
-                if c >= 2:
-                    times[name].append(took)
-                    cpus[name].append(cpu)
+        took, cpus = pc.busy_chunks(pubs, chunk, loops, args.chunks, 2)
     finally:
         for pub in pubs.values():
             pub.close()
@@ -187,16 +170,14 @@ def _interleaved(args: argparse.Namespace) -> int:
     base = names[0]
     steps = args.interleave * args.chunks
     print(
-        f"{args.events} events/step, {args.chunks} chunks of {args.interleave} steps per publisher"
+        f"{args.events} events/step, {args.chunks} turns of {args.interleave} steps per publisher"
     )
     for name in names:
-        total, cpu = sum(times[name]), sum(cpus[name])
-        paired = statistics.median(b / k for k, b in zip(times[name], times[base], strict=True))
+        total, cpu = took[name], cpus[name]
         print(
             f"  {name:28s} {steps / total:7.1f} steps/s  engine CPU {cpu / steps * 1e6:6.0f} us"
             f"  off CPU {(total - cpu) / steps * 1e6:5.0f} us per step"
-            f"  | over the vLLM design: total {sum(times[base]) / total:.3f}"
-            f", median of chunks {paired:.3f}",
+            f"  | over the vLLM design: {took[base] / total:.3f}",
             flush=True,
         )
     return 0
@@ -218,8 +199,8 @@ def main() -> int:
     p.add_argument(
         "--idle-poll",
         type=lambda text: [float(v) for v in text.split(",")],
-        default=[0.02],
-        help="kvstream's idle_poll values, comma-separated: one publisher each (0.02)",
+        default=[0.005],
+        help="kvstream's idle_poll values, comma-separated: one publisher each (0.005)",
     )
     p.add_argument(
         "--pace",

@@ -346,7 +346,7 @@ def from_vllm_event(event: object) -> KVCacheEvent:
 
 #: How long the publisher's loop, out of work, still looks for steps by itself:
 #: an engine stepping faster hands its steps over without a wake-up each.
-DEFAULT_IDLE_POLL: Final = 0.02
+DEFAULT_IDLE_POLL: Final = 0.005
 
 #: How much of a step of vLLM's structs is checked before it goes out as it is.
 StepCheck = Literal["sample", "all"]
@@ -609,9 +609,10 @@ class EventPublisher:
     how long (seconds) the loop, out of work, still looks for steps by itself,
     so that an engine stepping faster than that hands a step over without waking
     it (see [`ThreadsafeHandle.step()`][kvstream._threadsafe.ThreadsafeHandle.step];
-    0 wakes it for every step after idle). The default, 20 ms, is also how long such
-    a step may wait before it goes out; lower it for fresher events at the price of
-    more wake-ups (each costs the loop's thread more CPU than the step's own work).
+    0 wakes it for every step after idle). The default, 5 ms, is also how long such
+    a step may wait before it goes out. A longer poll saves the loop's thread CPU
+    (fewer wake-ups, each costing it more than a step's own work) but costs a busy
+    engine more; see the benchmarks page.
     """
 
     def __init__(

@@ -14,6 +14,8 @@ process that only counts frames (`kvstream._bench.frame_counter`).
   work per step (calibrated once, alone) and then publishes 16 or 256 events.
   What a publisher costs such an engine is the GIL its own thread holds: the
   row is the engine's steps/s with each publisher, and without one (the limit).
+  All three take turns, `BUSY_CHUNK` steps at a time, with both publishers
+  alive side by side, so that the machine's drift lands on each alike.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from kvstream._bench.frame_counter import CounterProcess
@@ -30,7 +33,7 @@ from kvstream._bench.sizes import Sizes
 from kvstream._bench.workload import batches
 from kvstream.events import KVCacheEvent
 
-__all__ = ["bench_publisher", "busy_work", "calibrate_busy_work"]
+__all__ = ["bench_publisher", "busy_chunks", "busy_work", "calibrate_busy_work"]
 
 Progress = Callable[[], None]
 
@@ -170,31 +173,48 @@ def _tight_run(
     )
 
 
-def _busy_run(
-    make: Callable[[], _Publisher] | None,
-    counter: CounterProcess,
-    vbatches: list[Any],
-    probe: Any,
-    loops: int,
-) -> float:
-    """Engine steps per second: `loops` of Python work, then one publish, per step."""
-    pub = make() if make is not None else None
-    try:
-        if pub is not None:
-            counter.wait_ready(lambda: pub.publish(probe))
-        publish = pub.publish if pub is not None else None
-        start = time.perf_counter()
-        for batch in vbatches:
-            busy_work(loops)
-            if publish is not None:
-                publish(batch)
-        took = time.perf_counter() - start
-        if pub is not None:
-            pub.expect(0)
-    finally:
-        if pub is not None:
-            pub.close()
-    return len(vbatches) / took
+#: Steps per chunk in the busy-engine case: the publishers take turns this often.
+BUSY_CHUNK = 25
+
+
+def busy_chunks(
+    pubs: dict[str, Any], chunk: list[Any], loops: int, chunks: int, warmup: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds per publisher for `chunks` chunks of busy steps, all publishers alive,
+    and the engine thread's CPU seconds in them.
+
+    Each chunk is `loops` of Python work then one publish, per step; the
+    publishers (None: the engine alone) take turns chunk by chunk, in a rotating
+    order, so that the machine's drift lands on all of them alike. A turn ends
+    once its publisher has sent every step of it, and that is timed: beside an
+    engine that holds the GIL, both publishers fall behind by tens to hundreds of
+    steps (their thread gets the GIL in slices), and a measure that stops at the
+    last `publish()` leaves the work of those steps out, crediting whichever lags
+    more. The first `warmup` turns are not timed.
+    """
+    names = list(pubs)
+    took = dict.fromkeys(names, 0.0)
+    cpu = dict.fromkeys(names, 0.0)
+    events = sum(len(batch.events) for batch in chunk)
+    for c in range(warmup + chunks):
+        for name in names[c % len(names) :] + names[: c % len(names)]:
+            pub = pubs[name]
+            cpu_start = time.thread_time()
+            start = time.perf_counter()
+            if pub is None:
+                for _ in chunk:
+                    busy_work(loops)
+            else:
+                pub.expect(events)
+                publish = pub.publish
+                for batch in chunk:
+                    busy_work(loops)
+                    publish(batch)
+                pub.wait_sent()
+            if c >= warmup:
+                took[name] += time.perf_counter() - start
+                cpu[name] += time.thread_time() - cpu_start
+    return took, cpu
 
 
 async def bench_publisher(
@@ -295,32 +315,37 @@ async def bench_publisher(
                 Target(f"drop-in sender CPU/event over vLLM design at {n}/batch", cpu, 1.0, "<=")
             )
         # -- target 2: a busy engine ----------------------------------------------------
+        # Every publisher alive side by side, taking turns every BUSY_CHUNK steps (see
+        # busy_chunks): whole runs one after the other moved by 5-10% from run to run
+        # on a shared machine, more than the difference being measured.
         loops = calibrate_busy_work()
         steps = min(max(sizes.zmq_events // 200, 25), 500)
+        chunk_steps = min(BUSY_CHUNK, steps)
+        chunks = max(1, runs * steps // chunk_steps)
         for n in (16, 256):
             cache = {}
-            vbatches = [to_vllm_batch(b, cache, rank=False) for b in batches(pool, n, steps)]
-            rates: dict[str, list[float]] = {"none": [], "baseline": [], "kvstream": []}
-            names = list(rates)
-            for r in range(warmup + runs):
-                order = names[r % 3 :] + names[: r % 3]
-                for name in order:
-                    maker = None if name == "none" else makers[name]
-                    counter = counters["baseline" if name == "none" else name]
-                    steps_per_s = _busy_run(maker, counter, vbatches, probe, loops)
-                    if r >= warmup:
-                        rates[name].append(steps_per_s)
-                        if progress is not None:
-                            progress()
-            ratio = statistics.median(
-                k / b for k, b in zip(rates["kvstream"], rates["baseline"], strict=True)
-            )
+            vbatches = [to_vllm_batch(b, cache, rank=False) for b in batches(pool, n, chunk_steps)]
+            pubs: dict[str, Any] = {"none": None}
+            try:
+                for name in ("baseline", "kvstream"):
+                    made = pubs[name] = makers[name]()
+                    counters[name].wait_ready(partial(made.publish, probe))
+                took, _ = busy_chunks(pubs, vbatches, loops, chunks, warmup)
+            finally:
+                for alive in pubs.values():
+                    if alive is not None:
+                        alive.close()
+            if progress is not None:
+                for _ in range(3 * runs):
+                    progress()
+            ratio = took["baseline"] / took["kvstream"]
+            timed = chunks * chunk_steps
             for name, case in (
                 ("none", "engine alone (no publisher: the limit)"),
                 ("baseline", "engine + vLLM-design publisher (baseline)"),
                 ("kvstream", "engine + kvstream EventPublisher"),
             ):
-                steps_rate = statistics.median(rates[name])
+                steps_rate = timed / took[name]
                 result.rows.append(
                     Row(
                         "publisher",
@@ -329,7 +354,10 @@ async def bench_publisher(
                         steps_rate * n,
                         "vLLM-design" if name == "kvstream" else "",
                         ratio if name == "kvstream" else None,
-                        note=f"{steps_rate:.1f} steps/s ({steps} steps of {loops} loops)",
+                        note=(
+                            f"{steps_rate:.1f} steps/s ({chunks} turns of {chunk_steps} steps "
+                            f"of {loops} loops, side by side)"
+                        ),
                     )
                 )
             result.data[f"busy_ratio_{n}"] = ratio

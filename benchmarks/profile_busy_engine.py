@@ -7,7 +7,8 @@ The engine's thread does about 2 ms of Python per step and then publishes one
 step of vLLM's structs (the same workload and calibration as
 `kvstream bench --only publisher`), 500 steps per run, the vLLM-design
 publisher and kvstream's `EventPublisher` (once per `--idle-poll` value)
-alternating, each to a counting subscriber in another process. Per run it
+alternating, each to a counting subscriber in another process; a run ends when
+its publisher has sent every step. Per run it
 prints the engine's steps/s, its thread CPU and time off CPU per step, its
 context switches per step
 (voluntary: it waited, mostly for the GIL; involuntary: it was preempted),
@@ -99,12 +100,14 @@ def _run(
     try:
         counter.wait_ready(lambda: pub.publish(probe))
         work = _paced(pace) if pace else pc.busy_work
+        pub.expect(sum(len(batch.events) for batch in steps))
         me = threading.get_native_id()
         before = _threads()
         start = time.perf_counter()
         for batch in steps:
             work(loops)
             pub.publish(batch)
+        pub.wait_sent()  # the steps still queued are part of the cost
         took = time.perf_counter() - start
         after = _threads()
     finally:

@@ -315,9 +315,10 @@ async def bench_publisher(
                 Target(f"drop-in sender CPU/event over vLLM design at {n}/batch", cpu, 1.0, "<=")
             )
         # -- target 2: a busy engine ----------------------------------------------------
-        # Every publisher alive side by side, taking turns every BUSY_CHUNK steps (see
-        # busy_chunks): whole runs one after the other moved by 5-10% from run to run
-        # on a shared machine, more than the difference being measured.
+        # Every publisher alive side by side, taking turns every BUSY_CHUNK steps, each
+        # turn timed until its publisher has sent every step of it (see busy_chunks):
+        # whole runs one after the other moved by 5-10% from run to run on a shared
+        # machine, and stopping at the last publish() left out the steps still queued.
         loops = calibrate_busy_work()
         steps = min(max(sizes.zmq_events // 200, 25), 500)
         chunk_steps = min(BUSY_CHUNK, steps)

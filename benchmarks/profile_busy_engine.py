@@ -129,23 +129,6 @@ def _run(
     return n / took
 
 
-def _drop_in(endpoint: str, idle_poll: float) -> Any:
-    """kvstream's drop-in publisher as the benchmark builds it, with `idle_poll`."""
-    from kvstream.publisher import EventPublisher
-
-    pub = pc._DropIn.__new__(pc._DropIn)
-    pub.pub = EventPublisher.from_kv_events_config(
-        {"endpoint": endpoint, "replay_endpoint": "tcp://127.0.0.1:*"},
-        origin="bench-0",
-        sink_options={"bind": True},
-        idle_poll=idle_poll,
-    )
-    pub.sink = pub.pub.scheduler.sinks[0]
-    pub.publish = pub.pub.publish
-    pub._target = 0
-    return pub
-
-
 def _interleaved(args: argparse.Namespace) -> int:
     """Every publisher alive at once, alternating per chunk of `args.interleave` steps."""
     pool = event_pool()
@@ -161,7 +144,7 @@ def _interleaved(args: argparse.Namespace) -> int:
         for i, name in enumerate(names):
             endpoint = f"tcp://127.0.0.1:{pc._free_port()}"
             counters.append(CounterProcess("zmq", endpoint))
-            pub = pc._Baseline(endpoint) if i == 0 else _drop_in(endpoint, args.idle_poll[i - 1])
+            pub = pc._Baseline(endpoint) if i == 0 else pc._DropIn(endpoint, args.idle_poll[i - 1])
             pubs[name] = pub
             counters[-1].wait_ready(partial(pub.publish, probe))
         took, cpus = pc.busy_chunks(pubs, chunk, loops, args.chunks, 2)
@@ -223,7 +206,7 @@ def main() -> int:
     counters = {name: CounterProcess("zmq", endpoints[name]) for name in names}
     makers: dict[str, Any] = {names[0]: partial(pc._Baseline, endpoints[names[0]])}
     for name, idle_poll in zip(names[1:], args.idle_poll, strict=True):
-        makers[name] = partial(_drop_in, endpoints[name], idle_poll)
+        makers[name] = partial(pc._DropIn, endpoints[name], idle_poll)
     probe = to_vllm_batch(batches(pool, 1, 1)[0], rank=False)
     cache: dict[int, Any] = {}
     steps = [to_vllm_batch(b, cache, rank=False) for b in batches(pool, args.events, args.steps)]

@@ -104,13 +104,14 @@ class _Baseline:
 class _DropIn:
     name = "kvstream EventPublisher"
 
-    def __init__(self, endpoint: str) -> None:
-        from kvstream.publisher import EventPublisher
+    def __init__(self, endpoint: str, idle_poll: float | None = None) -> None:
+        from kvstream.publisher import DEFAULT_IDLE_POLL, EventPublisher
 
         self.pub = EventPublisher.from_kv_events_config(
             {"endpoint": endpoint, "replay_endpoint": "tcp://127.0.0.1:*"},
             origin="bench-0",
             sink_options={"bind": True},
+            idle_poll=DEFAULT_IDLE_POLL if idle_poll is None else idle_poll,
         )
         self.sink = self.pub.scheduler.sinks[0]
         self.publish = self.pub.publish

@@ -15,8 +15,10 @@ and inproc endpoints are bound by the publisher by vLLM's rule.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -330,9 +332,27 @@ def test_data_parallel_rank_tagging(transport: str, short_dir: str) -> None:
             sub.close()
 
 
+def _port_with_free_offsets(*offsets: int) -> int:
+    """A port `p` such that every `p + offset` is free on 127.0.0.1 right now (a free
+    port's neighbours may be taken: an ephemeral port of some connection, say)."""
+    for _ in range(100):
+        port = free_port()
+        if port + max(offsets) > 65535:
+            continue
+        try:
+            with contextlib.ExitStack() as held:
+                for offset in offsets:
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port + offset))
+        except OSError:
+            continue
+        return port
+    raise AssertionError(f"no port found with offsets {offsets} free")
+
+
 def test_publisher_config_is_resolved_per_rank(short_dir: str) -> None:
     """vLLM's factory test: rank 1's resolved endpoints are offset, the config is left as is."""
-    port = free_port()
+    port = _port_with_free_offsets(1, 101)  # rank 1 binds port + 1 and port + 101
     config = Config(
         endpoint=f"ipc://{short_dir}/f{port}", replay_endpoint=f"ipc://{short_dir}/r{port}"
     )

@@ -18,15 +18,24 @@ publisher's thread or loop, ZMQ's I/O thread), from `/proc/self/task/*`
 
     python benchmarks/profile_busy_engine.py --interleave 25 --chunks 100 --idle-poll 0.005,0.02
     python benchmarks/profile_busy_engine.py --pace 0.01 --steps 300 --idle-poll 0.005,0.02
+    python benchmarks/profile_busy_engine.py --interleave 25 --chunks 60 --idle-poll 0.005,0.005
 
 `--interleave N` instead keeps every publisher alive side by side (the
 vLLM-design one, and kvstream's `EventPublisher` once per `--idle-poll` value)
-and lets them take turns every N steps (`publisher_compare.busy_chunks()`, what
-`kvstream bench` measures), each turn timed until its publisher has sent every
-step of it. Per publisher it prints the engine's steps/s over all its turns,
-its thread CPU and time off CPU per step (`time.thread_time()`: off CPU, the
-engine waits for the GIL or for the publisher to finish the turn), and the
-ratio over the vLLM design.
+and lets them and the engine alone take turns every N steps
+(`publisher_compare.busy_chunks()`, what `kvstream bench` measures), in every
+order of them (`--chunks` is rounded up to whole rounds of the orders), each
+turn timed until its publisher has sent every step of it, then, untimed, until
+its subscriber has every message. Per publisher it prints the engine's steps/s
+over all its turns, its thread CPU and time off CPU per step
+(`time.thread_time()`: off CPU, the engine waits for the GIL or for the
+publisher to finish the turn), the ratio over the vLLM design and what the
+publisher costs the engine per step against its turns alone; for kvstream, how
+its loop took the steps (wake-ups, bursts worked through in the poll's timer,
+polls that found nothing, per step).
+
+A value given twice is an A/A control: two identical kvstream publishers side by side,
+whose ratio shows what the measure itself moves by within one run.
 
 `--pace S` makes the engine sleep to one step every S seconds instead of
 working: with no contention for the GIL, the other threads' CPU per step is
@@ -87,6 +96,18 @@ def _paced(pace: float) -> Any:
     return wait
 
 
+def _names(idle_polls: list[float]) -> list[str]:
+    """The publishers' names: the vLLM design, then kvstream's once per `--idle-poll`
+    value; a value given twice (an A/A control: two identical publishers side by side)
+    gets a number."""
+    names = ["vLLM design"]
+    for v in idle_polls:
+        name = f"kvstream idle_poll={v:g}"
+        copies = sum(1 for known in names if known.split(" #")[0] == name)
+        names.append(f"{name} #{copies + 1}" if copies else name)
+    return names
+
+
 def _run(
     name: str,
     make: Any,
@@ -137,7 +158,7 @@ def _interleaved(args: argparse.Namespace) -> int:
     cache: dict[int, Any] = {}
     shaped = batches(pool, args.events, args.interleave)
     chunk = [to_vllm_batch(b, cache, rank=False) for b in shaped]
-    names = ["vLLM design"] + [f"kvstream idle_poll={v:g}" for v in args.idle_poll]
+    names = _names(args.idle_poll)
     pubs: dict[str, Any] = {}
     counters: list[CounterProcess] = []
     try:
@@ -147,26 +168,58 @@ def _interleaved(args: argparse.Namespace) -> int:
             pub = pc._Baseline(endpoint) if i == 0 else pc._DropIn(endpoint, args.idle_poll[i - 1])
             pubs[name] = pub
             counters[-1].wait_ready(partial(pub.publish, probe))
-        took, cpus = pc.busy_chunks(pubs, chunk, loops, args.chunks, 2)
+        pubs["engine alone"] = None  # the limit: the same turns without a publisher
+        settle = pc._settler(dict(zip(names, counters, strict=True)), len(chunk))
+        # whole rounds of every order of the turns (see pc.turn_orders)
+        orders = len(pc.turn_orders(list(pubs)))
+        chunks = -(-args.chunks // orders) * orders
+        took, cpus = pc.busy_chunks(pubs, chunk, loops, chunks, 2, settle)
+        hand_offs = {name: _hand_off(pub) for name, pub in pubs.items()}
     finally:
         for pub in pubs.values():
-            pub.close()
+            if pub is not None:
+                pub.close()
         for counter in counters:
             counter.close()
     base = names[0]
-    steps = args.interleave * args.chunks
-    print(
-        f"{args.events} events/step, {args.chunks} turns of {args.interleave} steps per publisher"
-    )
+    names.append("engine alone")
+    steps = args.interleave * chunks
+    print(f"{args.events} events/step, {chunks} turns of {args.interleave} steps per publisher")
+    alone = took["engine alone"]
     for name in names:
         total, cpu = took[name], cpus[name]
         print(
             f"  {name:28s} {steps / total:7.1f} steps/s  engine CPU {cpu / steps * 1e6:6.0f} us"
             f"  off CPU {(total - cpu) / steps * 1e6:5.0f} us per step"
-            f"  | over the vLLM design: {took[base] / total:.3f}",
+            f"  | over the vLLM design: {took[base] / total:.3f}"
+            + (
+                f", costs the engine {(total - alone) / steps * 1e6:4.0f} us per step"
+                if name != "engine alone"
+                else ""
+            ),
             flush=True,
         )
+    total_steps = (chunks + 2) * args.interleave + 1  # the warm-up turns and the probe
+    for name, counts in hand_offs.items():
+        if counts:
+            print(
+                f"  {name:28s} per step: "
+                + ", ".join(f"{k} {v / total_steps:.3f}" for k, v in counts.items())
+            )
     return 0
+
+
+def _hand_off(pub: Any) -> dict[str, int]:
+    """How kvstream's loop took the steps (`ThreadsafeHandle`'s counters); {} for
+    the vLLM design."""
+    if not isinstance(pub, pc._DropIn):
+        return {}
+    handle = pub.pub._runner.handle
+    return {
+        "wake-ups": handle.wakeups,
+        "bursts in the poll's timer": handle.bursts_inline,
+        "empty polls": handle.polls_empty,
+    }
 
 
 def main() -> int:
@@ -201,7 +254,7 @@ def main() -> int:
         return _interleaved(args)
     pool = event_pool()
     loops = pc.calibrate_busy_work()
-    names = ["vLLM design"] + [f"kvstream idle_poll={v:g}" for v in args.idle_poll]
+    names = _names(args.idle_poll)
     endpoints = {name: f"tcp://127.0.0.1:{pc._free_port()}" for name in names}
     counters = {name: CounterProcess("zmq", endpoints[name]) for name in names}
     makers: dict[str, Any] = {names[0]: partial(pc._Baseline, endpoints[names[0]])}

@@ -245,6 +245,23 @@ class CounterProcess:
             time.sleep(0.05)
         return last
 
+    def wait_count(self, messages: int, timeout: float = 20.0) -> None:
+        """Return once `messages` messages arrived since the last `arm()` (asked for
+        about every millisecond; raises `TimeoutError` after `timeout` seconds)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.command("count")
+            line = self.poll_line(5.0)
+            while line in ("ready", "armed"):
+                line = self.poll_line(5.0)
+            if not line:
+                raise TimeoutError("the counting subscriber did not answer")
+            if json.loads(line).get("messages", 0) >= messages:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the counting subscriber got fewer than {messages} messages")
+            time.sleep(0.001)
+
     def close(self) -> None:
         if self.proc.poll() is None:
             try:

@@ -20,6 +20,7 @@ process that only counts frames (`kvstream._bench.frame_counter`).
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -33,7 +34,7 @@ from kvstream._bench.sizes import Sizes
 from kvstream._bench.workload import batches
 from kvstream.events import KVCacheEvent
 
-__all__ = ["bench_publisher", "busy_chunks", "busy_work", "calibrate_busy_work"]
+__all__ = ["bench_publisher", "busy_chunks", "busy_work", "calibrate_busy_work", "turn_orders"]
 
 Progress = Callable[[], None]
 
@@ -179,26 +180,35 @@ BUSY_CHUNK = 25
 
 
 def busy_chunks(
-    pubs: dict[str, Any], chunk: list[Any], loops: int, chunks: int, warmup: int
+    pubs: dict[str, Any],
+    chunk: list[Any],
+    loops: int,
+    chunks: int,
+    warmup: int,
+    settle: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds per publisher for `chunks` chunks of busy steps, all publishers alive,
     and the engine thread's CPU seconds in them.
 
     Each chunk is `loops` of Python work then one publish, per step; the
-    publishers (None: the engine alone) take turns chunk by chunk, in a rotating
-    order, so that the machine's drift lands on all of them alike. A turn ends
-    once its publisher has sent every step of it, and that is timed: beside an
-    engine that holds the GIL, both publishers fall behind by tens to hundreds of
-    steps (their thread gets the GIL in slices), and a measure that stops at the
-    last `publish()` leaves the work of those steps out, crediting whichever lags
-    more. The first `warmup` turns are not timed.
+    publishers (None: the engine alone) take turns chunk by chunk, in an order
+    that runs through every permutation of them (`turn_orders()`), so that the
+    machine's drift lands on all of them alike and each follows every other as
+    often. A turn ends once its publisher has sent every step of it, and that is
+    timed: beside an engine that holds the GIL, both publishers fall behind by tens
+    to hundreds of steps (their thread gets the GIL in slices), and a measure that
+    stops at the last `publish()` leaves the work of those steps out, crediting
+    whichever lags more. Then, untimed, `settle(name)` (when given) waits until
+    the turn's messages have arrived: what ZMQ's I/O thread and the subscriber
+    still do for a turn would otherwise land on the next turn's engine, which is
+    always the same one in a fixed rotation. The first `warmup` turns are not timed.
     """
-    names = list(pubs)
-    took = dict.fromkeys(names, 0.0)
-    cpu = dict.fromkeys(names, 0.0)
+    orders = turn_orders(list(pubs))
+    took = dict.fromkeys(pubs, 0.0)
+    cpu = dict.fromkeys(pubs, 0.0)
     events = sum(len(batch.events) for batch in chunk)
     for c in range(warmup + chunks):
-        for name in names[c % len(names) :] + names[: c % len(names)]:
+        for name in orders[c % len(orders)]:
             pub = pubs[name]
             cpu_start = time.thread_time()
             start = time.perf_counter()
@@ -215,7 +225,29 @@ def busy_chunks(
             if c >= warmup:
                 took[name] += time.perf_counter() - start
                 cpu[name] += time.thread_time() - cpu_start
+            if pub is not None and settle is not None:
+                settle(name)
     return took, cpu
+
+
+def _settler(counters: dict[str, CounterProcess], per_turn: int) -> Callable[[str], None]:
+    """`busy_chunks()`'s `settle`: wait until `name`'s subscriber has every message of
+    its turns so far (`per_turn` each; its counts were armed before the first)."""
+    sent = dict.fromkeys(counters, 0)
+
+    def settle(name: str) -> None:
+        sent[name] += per_turn
+        counters[name].wait_count(sent[name])
+
+    return settle
+
+
+def turn_orders(names: list[str]) -> list[tuple[str, ...]]:
+    """Every order of `names`, arranged so that, run one after the other, each name
+    follows each other name equally often within the orders (a rotation of three
+    puts the same name after a given one two times in three: what a turn leaves
+    behind, ZMQ's I/O thread still sending, then always lands on the same one)."""
+    return list(itertools.permutations(names))
 
 
 async def bench_publisher(
@@ -317,13 +349,15 @@ async def bench_publisher(
             )
         # -- target 2: a busy engine ----------------------------------------------------
         # Every publisher alive side by side, taking turns every BUSY_CHUNK steps, each
-        # turn timed until its publisher has sent every step of it (see busy_chunks):
+        # turn timed until its publisher has sent every step of it, then (untimed) until
+        # its subscriber has them all, in every order of the three (see busy_chunks):
         # whole runs one after the other moved by 5-10% from run to run on a shared
         # machine, and stopping at the last publish() left out the steps still queued.
         loops = calibrate_busy_work()
         steps = min(max(sizes.zmq_events // 200, 25), 500)
         chunk_steps = min(BUSY_CHUNK, steps)
-        chunks = max(1, runs * steps // chunk_steps)
+        orders = len(turn_orders(["none", "baseline", "kvstream"]))
+        chunks = max(orders, -(-runs * steps // chunk_steps // orders) * orders)
         for n in (16, 256):
             cache = {}
             vbatches = [to_vllm_batch(b, cache, rank=False) for b in batches(pool, n, chunk_steps)]
@@ -332,7 +366,9 @@ async def bench_publisher(
                 for name in ("baseline", "kvstream"):
                     made = pubs[name] = makers[name]()
                     counters[name].wait_ready(partial(made.publish, probe))
-                took, _ = busy_chunks(pubs, vbatches, loops, chunks, warmup)
+                took, _ = busy_chunks(
+                    pubs, vbatches, loops, chunks, warmup, _settler(counters, len(vbatches))
+                )
             finally:
                 for alive in pubs.values():
                     if alive is not None:

@@ -200,8 +200,8 @@ def busy_chunks(
     stops at the last `publish()` leaves the work of those steps out, crediting
     whichever lags more. Then, untimed, `settle(name)` (when given) waits until
     the turn's messages have arrived: what ZMQ's I/O thread and the subscriber
-    still do for a turn would otherwise land on the next turn's engine, which is
-    always the same one in a fixed rotation. The first `warmup` turns are not timed.
+    still do for a turn would otherwise slow the next turn's engine (in a fixed
+    rotation, mostly the same one's). The first `warmup` turns are not timed.
     """
     orders = turn_orders(list(pubs))
     took = dict.fromkeys(pubs, 0.0)
@@ -243,10 +243,10 @@ def _settler(counters: dict[str, CounterProcess], per_turn: int) -> Callable[[st
 
 
 def turn_orders(names: list[str]) -> list[tuple[str, ...]]:
-    """Every order of `names`, arranged so that, run one after the other, each name
-    follows each other name equally often within the orders (a rotation of three
-    puts the same name after a given one two times in three: what a turn leaves
-    behind, ZMQ's I/O thread still sending, then always lands on the same one)."""
+    """Every order of `names` (their permutations): within them each name follows
+    each other name equally often. A rotation of three does not: it puts the same
+    name after a given one two times in three, and what a turn leaves behind (ZMQ's
+    I/O thread still sending) then lands mostly on that one."""
     return list(itertools.permutations(names))
 
 

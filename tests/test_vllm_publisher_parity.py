@@ -140,7 +140,12 @@ def short_dir() -> Iterator[str]:
 
 def endpoints(transport: str, short_dir: str) -> tuple[str, str]:
     if transport == "tcp":
-        return f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        # rank 1 binds each port + 1 (vLLM's offset): those must be free too, and apart
+        pub = _port_with_free_offsets(0, 1)
+        replay = _port_with_free_offsets(0, 1)
+        while abs(replay - pub) < 2:
+            replay = _port_with_free_offsets(0, 1)
+        return f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
     if transport == "ipc":
         return f"ipc://{short_dir}/pub", f"ipc://{short_dir}/replay"
     tag = f"{time.monotonic_ns()}"

@@ -96,6 +96,10 @@ def _paced(pace: float) -> Any:
     return wait
 
 
+#: With --interleave: untimed turns before the timed ones.
+_WARMUP = 2
+
+
 def _names(idle_polls: list[float]) -> list[str]:
     """The publishers' names: the vLLM design, then kvstream's once per `--idle-poll`
     value; a value given twice (an A/A control: two identical publishers side by side)
@@ -170,10 +174,8 @@ def _interleaved(args: argparse.Namespace) -> int:
             counters[-1].wait_ready(partial(pub.publish, probe))
         pubs["engine alone"] = None  # the limit: the same turns without a publisher
         settle = pc._settler(dict(zip(names, counters, strict=True)), len(chunk))
-        # whole rounds of every order of the turns (see pc.turn_orders)
-        orders = len(pc.turn_orders(list(pubs)))
-        chunks = -(-args.chunks // orders) * orders
-        took, cpus = pc.busy_chunks(pubs, chunk, loops, chunks, 2, settle)
+        chunks = pc.whole_rounds(args.chunks, list(pubs))
+        took, cpus = pc.busy_chunks(pubs, chunk, loops, chunks, _WARMUP, settle)
         hand_offs = {name: _hand_off(pub) for name, pub in pubs.items()}
     finally:
         for pub in pubs.values():
@@ -199,7 +201,7 @@ def _interleaved(args: argparse.Namespace) -> int:
             ),
             flush=True,
         )
-    total_steps = (chunks + 2) * args.interleave + 1  # the warm-up turns and the probe
+    total_steps = (chunks + _WARMUP) * args.interleave + 1  # the warm-up turns, a probe
     for name, counts in hand_offs.items():
         if counts:
             print(

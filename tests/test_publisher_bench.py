@@ -16,6 +16,7 @@ from kvstream._bench.publisher_compare import (
     busy_work,
     calibrate_busy_work,
     turn_orders,
+    whole_rounds,
 )
 from kvstream._bench.sizes import TINY
 from kvstream._bench.suite import BENCHMARKS, run_suite
@@ -62,6 +63,13 @@ def test_turn_orders_put_every_name_after_every_other_equally_often() -> None:
         follows = Counter(pair for order in orders for pair in itertools.pairwise(order))
         assert set(follows) == set(itertools.permutations(names, 2))
         assert len(set(follows.values())) == 1
+
+
+def test_whole_rounds_rounds_turns_up_to_every_order_alike() -> None:
+    assert whole_rounds(60, ["a", "b", "c"]) == 60
+    assert whole_rounds(61, ["a", "b", "c"]) == 66
+    assert whole_rounds(60, ["a", "b", "c", "d"]) == 72
+    assert whole_rounds(0, ["a", "b", "c"]) == 6
 
 
 class _Recorder:

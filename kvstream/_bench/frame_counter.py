@@ -195,12 +195,22 @@ class CounterProcess:
         return line.decode().strip()
 
     def counts(self, timeout: float = 10.0) -> dict[str, Any]:
+        counts = self._ask_counts(timeout)
+        if counts is None:
+            raise TimeoutError("the counting subscriber did not answer")
+        return counts
+
+    def _ask_counts(self, timeout: float = 5.0) -> dict[str, Any] | None:
+        """The subscriber's counts now (a late "ready" or "armed" line skipped), or
+        None when it does not answer within `timeout` seconds."""
         self.command("count")
         line = self.poll_line(timeout)
+        while line in ("ready", "armed"):
+            line = self.poll_line(timeout)
         if not line:
-            raise TimeoutError("the counting subscriber did not answer")
-        result: dict[str, Any] = json.loads(line)
-        return result
+            return None
+        counts: dict[str, Any] = json.loads(line)
+        return counts
 
     def arm(self, timeout: float = 20.0) -> None:
         """Reset the subscriber's counts; returns once it has done so."""
@@ -229,13 +239,9 @@ class CounterProcess:
         last: dict[str, Any] = {}
         stable = 0
         while time.monotonic() < deadline:
-            self.command("count")
-            line = self.poll_line(5.0)
-            while line in ("ready", "armed"):
-                line = self.poll_line(5.0)
-            if not line:
+            now = self._ask_counts()
+            if now is None:
                 break
-            now: dict[str, Any] = json.loads(line)
             if now.get("messages", 0) >= messages:
                 return now
             stable = stable + 1 if now == last else 0
@@ -250,13 +256,10 @@ class CounterProcess:
         about every millisecond; raises `TimeoutError` after `timeout` seconds)."""
         deadline = time.monotonic() + timeout
         while True:
-            self.command("count")
-            line = self.poll_line(5.0)
-            while line in ("ready", "armed"):
-                line = self.poll_line(5.0)
-            if not line:
+            counts = self._ask_counts()
+            if counts is None:
                 raise TimeoutError("the counting subscriber did not answer")
-            if json.loads(line).get("messages", 0) >= messages:
+            if counts.get("messages", 0) >= messages:
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the counting subscriber got fewer than {messages} messages")

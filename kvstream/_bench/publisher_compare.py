@@ -34,7 +34,14 @@ from kvstream._bench.sizes import Sizes
 from kvstream._bench.workload import batches
 from kvstream.events import KVCacheEvent
 
-__all__ = ["bench_publisher", "busy_chunks", "busy_work", "calibrate_busy_work", "turn_orders"]
+__all__ = [
+    "bench_publisher",
+    "busy_chunks",
+    "busy_work",
+    "calibrate_busy_work",
+    "turn_orders",
+    "whole_rounds",
+]
 
 Progress = Callable[[], None]
 
@@ -242,6 +249,13 @@ def _settler(counters: dict[str, CounterProcess], per_turn: int) -> Callable[[st
     return settle
 
 
+def whole_rounds(turns: int, names: list[str]) -> int:
+    """`turns` rounded up to whole rounds of `turn_orders(names)` (one round at least),
+    so that every order runs as often as the others."""
+    orders = len(turn_orders(names))
+    return max(1, -(-turns // orders)) * orders
+
+
 def turn_orders(names: list[str]) -> list[tuple[str, ...]]:
     """Every order of `names` (their permutations): within them each name follows
     each other name equally often. A rotation of three does not: it puts the same
@@ -356,8 +370,7 @@ async def bench_publisher(
         loops = calibrate_busy_work()
         steps = min(max(sizes.zmq_events // 200, 25), 500)
         chunk_steps = min(BUSY_CHUNK, steps)
-        orders = len(turn_orders(["none", "baseline", "kvstream"]))
-        chunks = max(orders, -(-runs * steps // chunk_steps // orders) * orders)
+        chunks = whole_rounds(-(-runs * steps // chunk_steps), ["none", "baseline", "kvstream"])
         for n in (16, 256):
             cache = {}
             vbatches = [to_vllm_batch(b, cache, rank=False) for b in batches(pool, n, chunk_steps)]

@@ -184,11 +184,10 @@ def _interleaved(args: argparse.Namespace) -> int:
         for counter in counters:
             counter.close()
     base = names[0]
-    names.append("engine alone")
     steps = args.interleave * chunks
     print(f"{args.events} events/step, {chunks} turns of {args.interleave} steps per publisher")
     alone = took["engine alone"]
-    for name in names:
+    for name in pubs:  # the publishers, then the engine alone
         total, cpu = took[name], cpus[name]
         print(
             f"  {name:28s} {steps / total:7.1f} steps/s  engine CPU {cpu / steps * 1e6:6.0f} us"

@@ -184,6 +184,12 @@ def _tight_run(
 
 #: Steps per chunk in the busy-engine case: the publishers take turns this often.
 BUSY_CHUNK = 25
+#: The busy engine's turns: the engine alone, then each publisher beside it (row labels).
+_BUSY_CASES: dict[str, str] = {
+    "none": "engine alone (no publisher: the limit)",
+    "baseline": "engine + vLLM-design publisher (baseline)",
+    "kvstream": "engine + kvstream EventPublisher",
+}
 
 
 def busy_chunks(
@@ -370,13 +376,13 @@ async def bench_publisher(
         loops = calibrate_busy_work()
         steps = min(max(sizes.zmq_events // 200, 25), 500)
         chunk_steps = min(BUSY_CHUNK, steps)
-        chunks = whole_rounds(-(-runs * steps // chunk_steps), ["none", "baseline", "kvstream"])
+        chunks = whole_rounds(-(-runs * steps // chunk_steps), list(_BUSY_CASES))
         for n in (16, 256):
             cache = {}
             vbatches = [to_vllm_batch(b, cache, rank=False) for b in batches(pool, n, chunk_steps)]
             pubs: dict[str, Any] = {"none": None}
             try:
-                for name in ("baseline", "kvstream"):
+                for name in list(_BUSY_CASES)[1:]:  # the publishers
                     made = pubs[name] = makers[name]()
                     counters[name].wait_ready(partial(made.publish, probe))
                 took, _ = busy_chunks(
@@ -391,11 +397,7 @@ async def bench_publisher(
                     progress()
             ratio = took["baseline"] / took["kvstream"]
             timed = chunks * chunk_steps
-            for name, case in (
-                ("none", "engine alone (no publisher: the limit)"),
-                ("baseline", "engine + vLLM-design publisher (baseline)"),
-                ("kvstream", "engine + kvstream EventPublisher"),
-            ):
+            for name, case in _BUSY_CASES.items():
                 steps_rate = timed / took[name]
                 result.rows.append(
                     Row(

@@ -16,7 +16,7 @@ from kvstream._bench.measure import Sample, percentile, summarize
 from kvstream._bench.plot import plot_series
 from kvstream._bench.report import render_text
 from kvstream._bench.sizes import TINY
-from kvstream._bench.suite import BENCHMARKS, run_suite
+from kvstream._bench.suite import BENCHMARKS, machine_info, run_suite
 from kvstream._bench.vllm_baseline import to_vllm_batch
 from kvstream._bench.workload import VOCAB_SIZE, batches, chunks, event_pool, pool_stats
 from kvstream._cli.main import main
@@ -229,6 +229,13 @@ async def test_codec_batch_and_file_tiny() -> None:
         "[12.5] FileSink pipeline over codec writing, tmpfs file",
         "[12.5] FileSink pipeline over codec writing, /dev/null",
     }
+
+
+def test_the_report_names_the_version_of_kvstream_it_measured() -> None:
+    import kvstream
+
+    # kvstream-events' version, not that of the package index's unrelated `kvstream`
+    assert machine_info()["versions"]["kvstream"] == kvstream.__version__ != "0.0.0"
 
 
 def test_every_benchmark_is_listed() -> None:

@@ -135,8 +135,11 @@ def machine_info() -> dict[str, Any]:
         "implementation": platform.python_implementation(),
         "platform": platform.platform(),
         "load_average": load,
+        # kvstream's own version is its distribution's, kvstream-events (the package
+        # index's `kvstream` is an unrelated project that may be installed beside it)
         "versions": {
-            name: _version(name) for name in ("kvstream", "msgspec", "orjson", "pyzmq", "anyio")
+            "kvstream": _version("kvstream-events"),
+            **{name: _version(name) for name in ("msgspec", "orjson", "pyzmq", "anyio")},
         },
     }
 

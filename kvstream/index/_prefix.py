@@ -86,6 +86,7 @@ _ENGINE_MASK: Final = (1 << 60) - 1
 _HASH_MASK: Final = (1 << 60) - 1
 _TIER_SHIFT: Final = 60  # dups key: own hash | tier << 60
 _EMPTY: Final[Mapping[str, int]] = MappingProxyType({})
+_first = operator.itemgetter(0)
 #: what a bulk store enters for a key before its own hash (own hashes are >= 0)
 _NEW: Final = -1
 
@@ -367,10 +368,11 @@ class PrefixIndex:
         self._tier_order: list[int] = []
         #: shifts that fold every tier's field onto the first: t * width, t >= 1
         self._shifts: list[int] = []
+        #: (t * width, tier name) per tier index; (t * width, tier name, rank) in `_tier_order`
+        self._tier_fields: list[tuple[int, str]] = []
+        self._preferred_fields: list[tuple[int, str, int]] = []
         #: 1 at the first bit of every tier's field: a slot mask times it is on every tier
         self._every_tier = 0
-        #: per tier index: its rank in `_tier_order`
-        self._tier_rank: list[int] = []
         #: the index's own weights per tier index, and those tiers heaviest first (made
         #: when first needed after a new tier)
         self._weight_cache: tuple[list[float], list[int]] | None = None
@@ -1002,10 +1004,11 @@ class PrefixIndex:
         width = self._width
         ntiers = len(self._tiers)
         self._shifts = [t * width for t in range(1, ntiers)]
+        self._tier_fields = [(t * width, self._tiers[t]) for t in range(ntiers)]
+        self._preferred_fields = [
+            (t * width, self._tiers[t], rank) for rank, t in enumerate(self._tier_order)
+        ]
         self._every_tier = sum(1 << (t * width) for t in range(ntiers))
-        self._tier_rank = [0] * ntiers
-        for i, t in enumerate(self._tier_order):
-            self._tier_rank[t] = i
         self._weight_cache = None
 
     def _set_stale(self, state: _Stream, reason: str) -> None:
@@ -1623,8 +1626,6 @@ class PrefixIndex:
         runs, run_values = self._holders(own, n, probed)
         if not runs:
             return []
-        width = self._width
-        ntiers = len(self._tiers)
         # (tier, slot) bits still within their tier's leading run
         tier_alive = active * self._every_tier
         alive = active  # slots still within their any-tier leading run
@@ -1632,7 +1633,7 @@ class PrefixIndex:
         tier_len: dict[int, int] = {}  # (tier, slot) bit -> leading blocks on that tier
         #: blocks per distinct holders value since `alive` last changed (scored in bulk)
         segment: dict[int, int] = {}
-        score: dict[int, float] = {}
+        score: dict[int, float] = {}  # a mask of slots -> what each of them scored
         weights, heaviest = self._weights(tier_weights)
         shifts = self._shifts
         prev_v = 0
@@ -1674,48 +1675,44 @@ class PrefixIndex:
             low = alive & -alive
             alive ^= low
             ended_at[low.bit_length() - 1] = (n, prev_v)
-        results = []
-        tiers = self._tiers
-        order = self._tier_order
+        preferred = self._preferred_fields
+        fields = self._tier_fields
+        make = tuple.__new__  # PrefixMatch's own __new__ is a Python call: the fields as they are
+        single = len(ended_at) == 1
+        scored = list(score.items())
+        keyed: list[tuple[tuple[float, int, bool, int, str, int], PrefixMatch]] = []
         for slot, (blocks, last) in ended_at.items():
             state = self._slots[slot]
             assert state is not None
-            for t in order:
-                if last >> (t * width + slot) & 1:
-                    medium = tiers[t]
+            bit = 1 << slot
+            medium = ""
+            preference = 0
+            for shift, name, r in preferred:  # the fastest tier holding the last block
+                if last >> shift & bit:
+                    medium, preference = name, r
                     break
             per_tier = {}
-            for t in range(ntiers):
-                b = 1 << (t * width + slot)
-                k = tier_len.get(b, n) if tier_alive & b or b in tier_len else 0
+            for shift, name in fields:
+                # still on its tier's leading run: every block; else where that run ended
+                k = n if tier_alive >> shift & bit else tier_len.get(bit << shift, 0)
                 if k:
-                    per_tier[tiers[t]] = k
-            results.append(
-                PrefixMatch(
-                    state.name,
-                    blocks,
-                    medium,
-                    state.stale,
-                    state.rank,
-                    per_tier,
-                    round(score.get(slot, 0.0), 6),
-                )
+                    per_tier[name] = k
+            points = 0.0
+            for mask, w in scored:
+                if mask & bit:
+                    points += w
+            points = round(points, 6)
+            rank = state.rank
+            match = make(
+                PrefixMatch, (state.name, blocks, medium, state.stale, rank, per_tier, points)
             )
-        if len(results) < 2:
-            return results
-        rank = self._tier_rank
-        index = self._tier_index
-        results.sort(
-            key=lambda m: (
-                -m.score,
-                -m.blocks,
-                m.stale,
-                rank[index[m.medium]],
-                m.origin,
-                -1 if m.data_parallel_rank is None else m.data_parallel_rank,
-            )
-        )
-        return results
+            if single:
+                return [match]
+            # best first: score, blocks, fresh before stale, the faster tier, origin, rank
+            dp = -1 if rank is None else rank
+            keyed.append(((-points, -blocks, state.stale, preference, state.name, dp), match))
+        keyed.sort(key=_first)  # stable: equal keys keep the slots' order
+        return [match for _, match in keyed]
 
     def _holders(
         self, own: Any, n: int, probed: bool = False
@@ -1780,8 +1777,10 @@ class PrefixIndex:
         order: list[int],
         score: dict[int, float],
     ) -> None:
-        """Add, per slot of `alive`, its blocks of `segment` times their best tier's
-        weight (`order`: the tiers, heaviest first)."""
+        """Add its blocks of `segment` times their best tier's weight to every slot of
+        `alive` holding them (`order`: the tiers, heaviest first). `score` is kept per
+        set of slots (a mask), which the slots sharing a tier take as one; a slot's
+        score is the sum over the masks holding its bit."""
         width = self._width
         field = (1 << width) - 1
         for v, count in segment.items():
@@ -1791,12 +1790,7 @@ class PrefixIndex:
                 if not f:
                     continue
                 rest &= ~f
-                w = weights[t] * count
-                while f:
-                    low = f & -f
-                    f ^= low
-                    slot = low.bit_length() - 1
-                    score[slot] = score.get(slot, 0.0) + w
+                score[f] = score.get(f, 0.0) + weights[t] * count
                 if not rest:
                     break
 

@@ -86,7 +86,8 @@ _ENGINE_MASK: Final = (1 << 60) - 1
 _HASH_MASK: Final = (1 << 60) - 1
 _TIER_SHIFT: Final = 60  # dups key: own hash | tier << 60
 _EMPTY: Final[Mapping[str, int]] = MappingProxyType({})
-_first = operator.itemgetter(0)
+#: a ranked answer's key: `(key, match)` pairs sort by the key alone
+_first: Final = operator.itemgetter(0)
 #: what a bulk store enters for a key before its own hash (own hashes are >= 0)
 _NEW: Final = -1
 

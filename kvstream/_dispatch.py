@@ -81,7 +81,7 @@ class Dispatcher:
         force = self.flushing
         for n, batch in enumerate(batches):
             for i, sink in enumerate(sinks):
-                if not sink.accepting:  # closed by its owner: it takes nothing more
+                if not sink._accepting:  # closed by its owner (`accepting`, read as the field)
                     sink.count_missed(batch, "the sink was closed before the batch")
                     continue
                 if not sink.offer(batch, force=force):

@@ -443,7 +443,7 @@ class Scheduler(TaskOwner):
         No await: the events are in the next tick's batch, ahead of every
         connector's events of that tick.
         """
-        if not self._running():
+        if self._state is not _RUNNING:  # _running(), inline: the hot path
             raise self._refusal("emit")
         state = self._own if origin is None else self._origin(origin)
         if isinstance(events, KVCacheEvent):

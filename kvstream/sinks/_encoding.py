@@ -50,6 +50,7 @@ class Encoded(NamedTuple):
 
 
 _NOTHING: Final = Encoded(b"", (), 0)
+_MAKE: Final = tuple.__new__
 #: What a sink without a codec (it hands over the events themselves) is charged
 #: per queued event: the events it keeps alive, about what a 16-block event holds.
 OBJECT_EVENT_COST: Final = 512
@@ -82,7 +83,8 @@ class SharedEncoding:
         if codec is None:
             return Encoded(b"", (), len(batch.events) * OBJECT_EVENT_COST)
         data, refused = codec.encode_screened(batch)
-        encoded = Encoded(data, refused, held_bytes(len(data)))
+        # tuple.__new__: the NamedTuple's own __new__ is a Python call, on every batch
+        encoded = _MAKE(Encoded, (data, refused, held_bytes(len(data))))
         self.encodes += 1
         self._last_batch = batch
         self._last = encoded
@@ -122,5 +124,6 @@ class EncodingGroup:
 
     def forget(self) -> None:
         """Drop every remembered batch (after a tick handed its batches to every sink)."""
-        for encoding in self._encodings:
-            encoding.forget()
+        for encoding in self._encodings:  # SharedEncoding.forget(), inline: every tick
+            encoding._last_batch = None
+            encoding._last = _NOTHING

@@ -90,11 +90,6 @@ class SharedEncoding:
         self._last = encoded
         return encoded
 
-    def forget(self) -> None:
-        """Let go of the last batch and its bytes (the group is done with them)."""
-        self._last_batch = None
-        self._last = _NOTHING
-
     def __repr__(self) -> str:
         return f"<SharedEncoding {self.codec!r} users={self.users} encodes={self.encodes}>"
 
@@ -124,6 +119,6 @@ class EncodingGroup:
 
     def forget(self) -> None:
         """Drop every remembered batch (after a tick handed its batches to every sink)."""
-        for encoding in self._encodings:  # SharedEncoding.forget(), inline: every tick
+        for encoding in self._encodings:  # each lets go of its last batch and its bytes
             encoding._last_batch = None
             encoding._last = _NOTHING

@@ -5,14 +5,17 @@
     python benchmarks/count_instructions.py dropin --events 1
     python benchmarks/count_instructions.py native --events 1
 
-Wall-clock ratios on two shared cores move by a few percent from run to run;
-instruction counts repeat within half a percent. This script runs each
-publisher twice under `valgrind --tool=callgrind --separate-threads=yes`, once
-for `--short` steps and once for `--long` steps, and divides the difference of
-each thread's count by the difference of the steps: what remains is what one
-more step costs, start-up, imports and the workload's construction cancelled
-out. The engine runs in the process's main thread; the subscriber counts
-frames in another process, not traced.
+Wall-clock ratios on two shared cores move by a few percent from run to run,
+more than the gaps they are meant to show; instruction counts say how much
+work each thread does. This script runs each publisher twice under
+`valgrind --tool=callgrind --separate-threads=yes`, once for `--short` steps
+and once for `--long` steps, and divides the difference of each thread's
+count by the difference of the steps: what remains is what one more step
+costs, start-up, imports and the workload's construction cancelled out. Each
+design runs `--repeat` times (3), the designs taking turns; the table gives
+the medians, the range of the totals, and the median ratio of each repeat's
+total to the vLLM design's. The engine runs in the process's main thread; the
+subscriber counts frames in another process, not traced.
 
 `dropin`: the engine's thread does `busy_work(--loops)` (0: none) and then
 `publish()`es one step of vLLM's structs, to the vLLM-design publisher
@@ -29,10 +32,18 @@ Both rings hold `--buffer-steps` steps (100: full, and evicting one step per
 step, within the first `--short` steps, as a long-running publisher's ring is;
 vLLM's default of 10,000 would not fill in a run this short).
 
+`--functions N` also prints, for each design's first repeat, the N functions
+(C level: Python code shows as the interpreter's eval loop) with the most
+instructions of their own per step in its busiest thread; `--keep DIR` keeps
+callgrind's files for `callgrind_annotate`.
+
 Callgrind runs the threads one at a time and about 50 times slower than the
-machine: it counts the work, not how the threads overlap or wait for each
-other, and timers (kvstream's idle poll) fire less often per step than they
-do at full speed. Needs valgrind (Debian: `apt-get install valgrind`).
+machine: it counts the work, not how the threads overlap, wait for each other
+or miss the caches, and a timer (kvstream's idle poll) fires more often per
+step than it does at full speed. One run's count moves by about half a percent
+at 1 event per step and by up to a few percent at 16 (how many steps each
+wake-up of a sender finds varies with timing): compare the ranges. Needs
+valgrind (Debian: `apt-get install valgrind`).
 """
 
 from __future__ import annotations
@@ -288,6 +299,8 @@ def _traced(
     valgrind: str, design: str, steps: int, args: argparse.Namespace, directory: str, repeat: int
 ) -> dict[int, int]:
     prefix = f"{design}-{steps}-r{repeat}"
+    for old in glob.glob(os.path.join(directory, f"{prefix}-*")):  # a --keep DIR's last run
+        os.remove(old)
     command = [
         valgrind,
         "--tool=callgrind",

@@ -4,6 +4,7 @@
     python benchmarks/count_instructions.py dropin --events 16 --loops 2000
     python benchmarks/count_instructions.py dropin --events 1
     python benchmarks/count_instructions.py native --events 1
+    python benchmarks/count_instructions.py dropin --events 16 --repeat 2 --cache-sim
 
 Wall-clock ratios on two shared cores move by a few percent from run to run,
 more than the gaps they are meant to show; instruction counts say how much
@@ -35,7 +36,11 @@ vLLM's default of 10,000 would not fill in a run this short).
 `--functions N` also prints, for each design's first repeat, the N functions
 (C level: Python code shows as the interpreter's eval loop) with the most
 instructions of their own per step in its busiest thread; `--keep DIR` keeps
-callgrind's files for `callgrind_annotate`.
+callgrind's files for `callgrind_annotate`. `--cache-sim` also counts L1 and
+last-level data misses per step and thread, in callgrind's simulation of one
+cache hierarchy shared by all threads (fixed 32 KiB L1s; the last level 8 MiB,
+16-way, unless given): how much memory each step first touches, not what a
+miss costs; about twice as slow.
 
 Callgrind runs the threads one at a time and about 50 times slower than the
 machine: it counts the work, not how the threads overlap, wait for each other
@@ -221,17 +226,28 @@ def _child(args: argparse.Namespace) -> int:
 # -- the parent: run the children under callgrind, take differences ----------------------
 
 
-def thread_totals(directory: str, prefix: str) -> dict[int, int]:
-    """Instructions per thread (1: the main thread) from callgrind's per-thread files
-    `<prefix>-NN` in `directory`."""
+def thread_totals(directory: str, prefix: str, events: Sequence[str] = ("Ir",)) -> dict[int, int]:
+    """Per thread (1: the main thread), the sum of `events` (callgrind's names: `Ir`
+    instructions; with `--cache-sim=yes` also `D1mr`, `DLmw`, ...) from callgrind's
+    per-thread files `<prefix>-NN` in `directory`."""
     totals: dict[int, int] = {}
     for path in glob.glob(os.path.join(directory, f"{prefix}-*")):
         number = int(path.rsplit("-", 1)[1])
+        names: list[str] = []
         with open(path) as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key in ("totals", "summary"):
-                    totals[number] = int(value.split()[0])
+                if key == "events":
+                    names = value.split()
+                elif key in ("totals", "summary"):
+                    counts = dict(zip(names, (int(v) for v in value.split()), strict=False))
+                    missing = [e for e in events if e not in counts]
+                    if missing:
+                        raise ValueError(
+                            f"{path}: no {missing} among its events {names} "
+                            "(--cache-sim gives the cache events)"
+                        )
+                    totals[number] = sum(counts[e] for e in events)
                     break
         if number not in totals:
             raise ValueError(f"{path}: no 'totals:' or 'summary:' line (an unfinished run?)")
@@ -263,7 +279,7 @@ def busiest(short: dict[int, int], long: dict[int, int]) -> int:
 def function_costs(path: str) -> dict[str, int]:
     """Instructions per function, its own (not its callees'), from `callgrind_annotate`."""
     out = subprocess.run(
-        ["callgrind_annotate", "--inclusive=no", "--threshold=100", path],
+        ["callgrind_annotate", "--show=Ir", "--inclusive=no", "--threshold=100", path],
         capture_output=True,
         text=True,
         check=True,
@@ -297,7 +313,8 @@ def _functions(directory: str, prefix_short: str, prefix_long: str, steps: int, 
 
 def _traced(
     valgrind: str, design: str, steps: int, args: argparse.Namespace, directory: str, repeat: int
-) -> dict[int, int]:
+) -> str:
+    """Run one child under callgrind; the prefix of its files in `directory`."""
     prefix = f"{design}-{steps}-r{repeat}"
     for old in glob.glob(os.path.join(directory, f"{prefix}-*")):  # a --keep DIR's last run
         os.remove(old)
@@ -305,6 +322,7 @@ def _traced(
         valgrind,
         "--tool=callgrind",
         "--separate-threads=yes",
+        *(_cache_options(args.cache_sim) if args.cache_sim else ()),
         f"--callgrind-out-file={os.path.join(directory, prefix)}",
         os.path.realpath(sys.executable),
         os.path.abspath(__file__),
@@ -326,10 +344,24 @@ def _traced(
             f"{design}, {steps} steps, under callgrind: exit {done.returncode}\n"
             + done.stderr[-3000:]
         )
-    return thread_totals(directory, prefix)
+    return prefix
 
 
-def _table(mode: str, rows: dict[str, list[tuple[float, ...]]]) -> list[str]:
+#: The measures of a table: (title, callgrind's events summed).
+INSTRUCTIONS = ("instructions per step", ("Ir",))
+CACHE_MEASURES = (
+    ("L1 data misses per step (reads + writes)", ("D1mr", "D1mw")),
+    ("last-level data misses per step (reads + writes)", ("DLmr", "DLmw")),
+)
+
+
+def _cache_options(model: str) -> list[str]:
+    """Callgrind's cache simulation with a fixed model (its detection of the host's
+    caches can be wrong): 32 KiB 8-way L1s, the last level as `--cache-sim` gives it."""
+    return ["--cache-sim=yes", "--I1=32768,8,64", "--D1=32768,8,64", f"--LL={model}"]
+
+
+def _table(mode: str, title: str, rows: dict[str, list[tuple[float, ...]]]) -> list[str]:
     """Each design's medians over the repeats, its range of the total, and the median of
     its per-repeat ratios over the first design's total."""
     heads = (
@@ -339,16 +371,16 @@ def _table(mode: str, rows: dict[str, list[tuple[float, ...]]]) -> list[str]:
     )
     base = next(iter(rows.values()))
     lines = [
-        "| instructions per step | "
-        + " | ".join(heads)
-        + " | all threads, min-max | all / vLLM's |",
+        f"| {title} | " + " | ".join(heads) + " | all threads, min-max | all / vLLM's |",
         "|---|" + "---:|" * (len(heads) + 2),
     ]
     for label, repeats in rows.items():
         medians = [statistics.median(column) for column in zip(*repeats, strict=True)]
         cells = [f"{m:,.0f}" if abs(m) >= 0.5 else "0" for m in medians]
         totals = [r[-1] for r in repeats]
-        ratio = statistics.median(r[-1] / b[-1] for r, b in zip(repeats, base, strict=True))
+        ratio = statistics.median(
+            r[-1] / b[-1] if b[-1] else float("nan") for r, b in zip(repeats, base, strict=True)
+        )
         lines.append(
             f"| {label} | "
             + " | ".join(cells)
@@ -372,6 +404,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="N",
         help="also print the busiest thread's top N functions per step (callgrind_annotate)",
     )
+    p.add_argument(
+        "--cache-sim",
+        nargs="?",
+        const="8388608,16,64",
+        metavar="SIZE,ASSOC,LINE",
+        help="also count cache misses (callgrind's simulation; the last level's model, "
+        "default 8 MiB, 16-way, 64-byte lines)",
+    )
     p.add_argument("--repeat", type=int, default=3, help="runs of each design (3)")
     p.add_argument(
         "--keep",
@@ -390,6 +430,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--long: expected more steps than --short ({args.short}), got {args.long}")
     if args.mode == "native" and args.loops:
         p.error("--loops: only the dropin mode has an engine doing work between steps")
+    if args.cache_sim is not None and not re.fullmatch(r"\d+,\d+,\d+", args.cache_sim):
+        p.error(f"--cache-sim: expected SIZE,ASSOC,LINE (three ints), got {args.cache_sim!r}")
     if args.child is not None:
         if args.child not in {key for key, _ in DESIGNS[args.mode]}:
             p.error(f"--child: expected one of {[k for k, _ in DESIGNS[args.mode]]}")
@@ -401,8 +443,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    rows: dict[str, list[tuple[float, ...]]] = {label: [] for _, label in DESIGNS[args.mode]}
+    measures = [INSTRUCTIONS, *(CACHE_MEASURES if args.cache_sim else ())]
+    rows: dict[str, dict[str, list[tuple[float, ...]]]] = {
+        title: {label: [] for _, label in DESIGNS[args.mode]} for title, _ in measures
+    }
     functions: list[str] = []
+    steps = args.long - args.short
     with tempfile.TemporaryDirectory(prefix="kvstream-callgrind-") as scratch:
         directory = scratch
         if args.keep:
@@ -410,27 +456,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             directory = args.keep
         for repeat in range(args.repeat):  # the designs take turns, so drift hits each
             for key, label in DESIGNS[args.mode]:
-                runs = [
+                short, long = (
                     _traced(valgrind, key, n, args, directory, repeat)
                     for n in (args.short, args.long)
-                ]
-                rows[label].append(per_step(runs[0], runs[1], args.long - args.short))
+                )
+                for title, events in measures:
+                    rows[title][label].append(
+                        per_step(
+                            thread_totals(directory, short, events),
+                            thread_totals(directory, long, events),
+                            steps,
+                        )
+                    )
                 print(f"  repeat {repeat + 1}, {label}: done", file=sys.stderr, flush=True)
                 if args.functions and repeat == 0:
-                    found = _functions(
-                        directory,
-                        f"{key}-{args.short}-r0",
-                        f"{key}-{args.long}-r0",
-                        args.long - args.short,
-                        args.functions,
-                    )
+                    found = _functions(directory, short, long, steps, args.functions)
                     functions.append(f"  {label}, its busiest thread's own instructions:\n{found}")
     print(
         f"{args.mode}: {args.events} events/step, busy_work({args.loops}) per step, "
         f"rings of {args.buffer_steps} steps, ({args.long} - {args.short} steps) / "
-        f"{args.long - args.short}, medians of {args.repeat} repeats"
+        f"{steps}, medians of {args.repeat} repeats"
+        + (f", cache model LL={args.cache_sim}" if args.cache_sim else "")
     )
-    print("\n".join(_table(args.mode, rows)))
+    for title, _ in measures:
+        print("\n".join(_table(args.mode, title, rows[title])))
     if functions:
         print(f"Per step, the first repeat, the top {args.functions} functions (C level):")
         print("\n".join(functions))

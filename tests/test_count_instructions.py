@@ -80,6 +80,7 @@ def test_bad_arguments_name_the_option_and_the_value() -> None:
         (["dropin", "--short", "500", "--long", "400"], "--long: expected more steps"),
         (["native", "--loops", "10"], "--loops: only the dropin mode"),
         (["dropin", "--loops", "-1"], "--loops: expected an int >= 0, got -1"),
+        (["dropin", "--cache-sim", "8MiB"], "--cache-sim: expected SIZE,ASSOC,LINE"),
     ):
         done = subprocess.run(
             [sys.executable, str(SCRIPT), *argv],
@@ -104,3 +105,16 @@ def test_annotated_lines_give_each_functions_own_count() -> None:
         ("30,199", "/tmp/Python-3.11.7/Python/ceval.c:_PyEval_EvalFrameDefault'2"),
     ]
     assert ci.busiest({1: 900, 2: 100, 3: 50}, {1: 1_000, 2: 700, 3: 60}) == 2
+
+
+def test_cache_events_are_read_by_name_and_summed(tmp_path: Path) -> None:
+    ci = _script()
+    # With --cache-sim=yes callgrind's totals line has one count per event, in order.
+    (tmp_path / "dropin-200-r0-01").write_text(
+        "events: Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw\nsummary: 1000 400 300 9 50 40 8 7 6\n"
+    )
+    assert ci.thread_totals(str(tmp_path), "dropin-200-r0") == {1: 1000}
+    assert ci.thread_totals(str(tmp_path), "dropin-200-r0", ("DLmr", "DLmw")) == {1: 13}
+    (tmp_path / "vllm-200-r0-01").write_text("events: Ir\nsummary: 1000\n")
+    with pytest.raises(ValueError, match=r"no \['D1mr'\] among its events \['Ir'\]"):
+        ci.thread_totals(str(tmp_path), "vllm-200-r0", ("D1mr",))

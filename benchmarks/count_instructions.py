@@ -103,68 +103,37 @@ def _workload(events: int) -> tuple[list[Any], list[Any], Any]:
 
 
 def _endpoint() -> str:
-    from kvstream._bench.publisher_compare import _free_port
+    from kvstream._bench.zmq_compare import free_tcp_port
 
-    return f"tcp://127.0.0.1:{_free_port()}"
+    return f"tcp://127.0.0.1:{free_tcp_port()}"
 
 
 def _threaded(design: str, args: argparse.Namespace) -> None:
     """The vLLM design or the drop-in, published to from this (the main) thread."""
+    from kvstream._bench import publisher_compare as pc
     from kvstream._bench.frame_counter import CounterProcess
-    from kvstream._bench.publisher_compare import busy_work
 
     _, steps, probe = _workload(args.events)
     endpoint = _endpoint()
     counter = CounterProcess("zmq", endpoint)
-    pub: Any
     try:
-        if design == "vllm":
-            from kvstream._bench.vllm_baseline import VllmStylePublisher
-
-            pub = VllmStylePublisher(
-                endpoint,
-                replay_endpoint="tcp://127.0.0.1:*",
-                buffer_steps=args.buffer_steps,
-                bind=True,
-            )
-            close = pub.close
-
-            def sent() -> None:
-                if not pub.wait_sent(_WAIT):
-                    raise TimeoutError("the vLLM-design publisher did not send everything")
-
-        else:
-            from kvstream.publisher import EventPublisher
-
-            pub = EventPublisher.from_kv_events_config(
-                {
-                    "endpoint": endpoint,
-                    "replay_endpoint": "tcp://127.0.0.1:*",
-                    "buffer_steps": args.buffer_steps,
-                },
-                origin="bench-0",
-                sink_options={"bind": True},
-                idle_poll=0.005,
-            )
-            close = pub.shutdown
-
-            def sent() -> None:
-                pub.flush(_WAIT)
-
+        pub = (
+            pc._Baseline(endpoint, args.buffer_steps)
+            if design == "vllm"
+            else pc._DropIn(endpoint, 0.005, args.buffer_steps)
+        )
         try:
             counter.wait_ready(lambda: pub.publish(probe), timeout=_WAIT)
-            if design == "vllm":
-                pub.expect(args.steps * args.events)
-            publish = pub.publish
-            loops = args.loops
+            pub.expect(args.steps * args.events)
+            publish, busy_work, loops = pub.publish, pc.busy_work, args.loops
             for i in range(args.steps):
                 if loops:
                     busy_work(loops)
                 publish(steps[i % DISTINCT_STEPS])
-            sent()
+            pub.wait_sent()
             counter.wait_count(args.steps, timeout=_WAIT)
         finally:
-            close()
+            pub.close()
     finally:
         counter.close()
 

@@ -92,10 +92,12 @@ def _timed(fn: Callable[[int], object], arg: int) -> float:
 class _Baseline:
     name = "vLLM-design publisher"
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, buffer_steps: int = 10_000) -> None:
         from kvstream._bench.vllm_baseline import VllmStylePublisher
 
-        self.pub = VllmStylePublisher(endpoint, replay_endpoint="tcp://127.0.0.1:*", bind=True)
+        self.pub = VllmStylePublisher(
+            endpoint, replay_endpoint="tcp://127.0.0.1:*", buffer_steps=buffer_steps, bind=True
+        )
         self.publish = self.pub.publish
 
     def expect(self, events: int) -> None:
@@ -112,11 +114,17 @@ class _Baseline:
 class _DropIn:
     name = "kvstream EventPublisher"
 
-    def __init__(self, endpoint: str, idle_poll: float | None = None) -> None:
+    def __init__(
+        self, endpoint: str, idle_poll: float | None = None, buffer_steps: int = 10_000
+    ) -> None:
         from kvstream.publisher import DEFAULT_IDLE_POLL, EventPublisher
 
         self.pub = EventPublisher.from_kv_events_config(
-            {"endpoint": endpoint, "replay_endpoint": "tcp://127.0.0.1:*"},
+            {
+                "endpoint": endpoint,
+                "replay_endpoint": "tcp://127.0.0.1:*",
+                "buffer_steps": buffer_steps,
+            },
             origin="bench-0",
             sink_options={"bind": True},
             idle_poll=DEFAULT_IDLE_POLL if idle_poll is None else idle_poll,

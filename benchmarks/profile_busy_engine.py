@@ -19,9 +19,11 @@ publisher's thread or loop, ZMQ's I/O thread), from `/proc/self/task/*`
     python benchmarks/profile_busy_engine.py --interleave 25 --chunks 100 --idle-poll 0.005,0.02
     python benchmarks/profile_busy_engine.py --pace 0.01 --steps 300 --idle-poll 0.005,0.02
     python benchmarks/profile_busy_engine.py --interleave 25 --chunks 60 --idle-poll 0.005,0.005
+    python benchmarks/profile_busy_engine.py --interleave 25 --chunks 60 --loop asyncio,uvloop
 
 `--interleave N` instead keeps every publisher alive side by side (the
-vLLM-design one, and kvstream's `EventPublisher` once per `--idle-poll` value)
+vLLM-design one, and kvstream's `EventPublisher` once per `--idle-poll` value
+and `--loop`, the event loop its thread runs on)
 and lets them and the engine alone take turns every N steps
 (`publisher_compare.busy_chunks()`, what `kvstream bench` measures), in every
 order of them (`--chunks` is rounded up to whole rounds of the orders), each
@@ -50,12 +52,13 @@ import statistics
 import threading
 import time
 from functools import partial
-from typing import Any
+from typing import Any, cast, get_args
 
 from kvstream._bench import publisher_compare as pc
 from kvstream._bench.frame_counter import CounterProcess
 from kvstream._bench.vllm_baseline import to_vllm_batch
 from kvstream._bench.workload import batches, event_pool
+from kvstream._event_loop import EventLoopName
 
 
 def _thread(tid: int) -> dict[str, int]:
@@ -100,13 +103,27 @@ def _paced(pace: float) -> Any:
 _WARMUP = 2
 
 
-def _names(idle_polls: list[float]) -> list[str]:
+def _loops(text: str) -> list[EventLoopName]:
+    """`--loop`: comma-separated loop names, each one kvstream knows."""
+    names = text.split(",")
+    for name in names:
+        if name not in get_args(EventLoopName):
+            raise argparse.ArgumentTypeError(f"expected asyncio, uvloop or auto, got {name!r}")
+    return cast(list[EventLoopName], names)
+
+
+def _variants(args: argparse.Namespace) -> list[tuple[float, EventLoopName]]:
+    """kvstream's publishers: one per `--idle-poll` value and `--loop`, in that order."""
+    return [(poll, loop) for poll in args.idle_poll for loop in args.loop]
+
+
+def _names(args: argparse.Namespace) -> list[str]:
     """The publishers' names: the vLLM design, then kvstream's once per `--idle-poll`
-    value; a value given twice (an A/A control: two identical publishers side by side)
-    gets a number."""
+    value and `--loop`; a variant given twice (an A/A control: two identical publishers
+    side by side) gets a number."""
     names = ["vLLM design"]
-    for v in idle_polls:
-        name = f"kvstream idle_poll={v:g}"
+    for poll, loop in _variants(args):
+        name = f"kvstream idle_poll={poll:g}" + ("" if loop == "asyncio" else f" {loop}")
         copies = sum(1 for known in names if known.split(" #")[0] == name)
         names.append(f"{name} #{copies + 1}" if copies else name)
     return names
@@ -162,14 +179,19 @@ def _interleaved(args: argparse.Namespace) -> int:
     cache: dict[int, Any] = {}
     shaped = batches(pool, args.events, args.interleave)
     chunk = [to_vllm_batch(b, cache, rank=False) for b in shaped]
-    names = _names(args.idle_poll)
+    names = _names(args)
+    variants = _variants(args)
     pubs: dict[str, Any] = {}
     counters: list[CounterProcess] = []
     try:
         for i, name in enumerate(names):
             endpoint = f"tcp://127.0.0.1:{pc._free_port()}"
             counters.append(CounterProcess("zmq", endpoint))
-            pub = pc._Baseline(endpoint) if i == 0 else pc._DropIn(endpoint, args.idle_poll[i - 1])
+            pub = (
+                pc._Baseline(endpoint)
+                if i == 0
+                else pc._DropIn(endpoint, variants[i - 1][0], loop=variants[i - 1][1])
+            )
             pubs[name] = pub
             counters[-1].wait_ready(partial(pub.publish, probe))
         pubs["engine alone"] = None  # the limit: the same turns without a publisher
@@ -243,6 +265,13 @@ def main() -> int:
         help="kvstream's idle_poll values, comma-separated: one publisher each (0.005)",
     )
     p.add_argument(
+        "--loop",
+        type=_loops,
+        default=["asyncio"],
+        help="the event loops of kvstream's loop thread, comma-separated (asyncio, "
+        "uvloop): one publisher each per --idle-poll value (asyncio)",
+    )
+    p.add_argument(
         "--pace",
         type=float,
         default=0.0,
@@ -255,12 +284,12 @@ def main() -> int:
         return _interleaved(args)
     pool = event_pool()
     loops = pc.calibrate_busy_work()
-    names = _names(args.idle_poll)
+    names = _names(args)
     endpoints = {name: f"tcp://127.0.0.1:{pc._free_port()}" for name in names}
     counters = {name: CounterProcess("zmq", endpoints[name]) for name in names}
     makers: dict[str, Any] = {names[0]: partial(pc._Baseline, endpoints[names[0]])}
-    for name, idle_poll in zip(names[1:], args.idle_poll, strict=True):
-        makers[name] = partial(pc._DropIn, endpoints[name], idle_poll)
+    for name, (idle_poll, loop) in zip(names[1:], _variants(args), strict=True):
+        makers[name] = partial(pc._DropIn, endpoints[name], idle_poll, loop=loop)
     probe = to_vllm_batch(batches(pool, 1, 1)[0], rank=False)
     cache: dict[int, Any] = {}
     steps = [to_vllm_batch(b, cache, rank=False) for b in batches(pool, args.events, args.steps)]

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Final
 import anyio
 import anyio.lowlevel
 
+from kvstream._event_loop import EventLoopName, backend_options, resolve_event_loop
 from kvstream.errors import ClosedError, ConfigError
 from kvstream.events import EventBatch, KVCacheEvent
 from kvstream.sources._base import check_events
@@ -447,8 +448,11 @@ class LoopThread:
         max_pending: int = 65_536,
         convert: StepConverter = _no_conversion,
         idle_poll: float = 0.0,
+        loop: EventLoopName = "asyncio",
     ) -> None:
         self.scheduler = scheduler
+        #: The loop the thread runs on, resolved (`"auto"` becomes the one chosen).
+        self.loop_name = resolve_event_loop(loop, field=f"{type(self).__name__}.loop")
         self._max_pending = max_pending
         self._convert = convert
         self._idle_poll = idle_poll
@@ -479,7 +483,9 @@ class LoopThread:
 
     def _main(self) -> None:
         try:
-            anyio.run(self._serve, backend="asyncio")
+            anyio.run(
+                self._serve, backend="asyncio", backend_options=backend_options(self.loop_name)
+            )
         except BaseException as exc:
             if not self._ready.is_set():
                 self._error = exc
@@ -522,7 +528,9 @@ class LoopThread:
 
 
 @contextlib.contextmanager
-def run_in_thread(scheduler: Scheduler) -> Iterator[ThreadsafeHandle]:
+def run_in_thread(
+    scheduler: Scheduler, *, loop: EventLoopName = "asyncio"
+) -> Iterator[ThreadsafeHandle]:
     """Run `scheduler` on an event loop in a new (daemon) thread, for synchronous engines:
 
         with run_in_thread(Scheduler(sinks=[FileSink("kv.jsonl")])) as kv:
@@ -530,9 +538,11 @@ def run_in_thread(scheduler: Scheduler) -> Iterator[ThreadsafeHandle]:
             kv.tick()
 
     On exit, what was handed over is worked through, the scheduler closes
-    (delivering what is pending) and the thread ends.
+    (delivering what is pending) and the thread ends. `loop`: the thread's
+    event loop, `"asyncio"` (the default), `"uvloop"` or `"auto"` (uvloop when
+    installed).
     """
-    runner = LoopThread(scheduler, name=f"kvstream loop {scheduler.origin}")
+    runner = LoopThread(scheduler, name=f"kvstream loop {scheduler.origin}", loop=loop)
     try:
         yield runner.handle
     finally:

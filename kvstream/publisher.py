@@ -67,6 +67,7 @@ import msgspec
 from msgspec.structs import force_setattr
 
 from kvstream._burst_log import BurstLog
+from kvstream._event_loop import EventLoopName, resolve_event_loop
 from kvstream._threadsafe import LoopThread
 from kvstream._wire.vllm_zmq import (
     DEFAULT_MAX_QUEUE_SIZE,
@@ -612,7 +613,9 @@ class EventPublisher:
     0 wakes it for every step after idle). The default, 5 ms, is also how long such
     a step may wait before it goes out. A longer poll saves the loop's thread CPU
     (fewer wake-ups, each costing it more than a step's own work) but costs a busy
-    engine more; see the benchmarks page.
+    engine more; see the benchmarks page. `loop`: the event loop of that
+    thread, `"asyncio"` (the default), `"uvloop"` or `"auto"` (uvloop when
+    installed); the benchmarks page measures both.
     """
 
     def __init__(
@@ -625,6 +628,7 @@ class EventPublisher:
         max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
         check: StepCheck = "sample",
         idle_poll: float = DEFAULT_IDLE_POLL,
+        loop: EventLoopName = "asyncio",
         config: object = None,
     ) -> None:
         from kvstream.config import open_sink
@@ -642,6 +646,7 @@ class EventPublisher:
             raise ConfigError(
                 f"EventPublisher.max_queue_size: expected an int >= 1, got {max_queue_size!r}"
             )
+        loop_name = resolve_event_loop(loop, field="EventPublisher.loop")
         codecs: dict[str, Any] = {}
         built = [open_sink(s, codecs=codecs) if isinstance(s, str) else s for s in sinks]
         self.scheduler = Scheduler(
@@ -661,6 +666,7 @@ class EventPublisher:
             max_pending=max_queue_size,
             convert=self._converter,
             idle_poll=idle_poll,
+            loop=loop_name,
         )
         self._step = self._runner.handle.step
         self._batches = 0

@@ -147,6 +147,10 @@ async def test_zmq_and_sinks_tiny() -> None:
     _check_report(report, ["zmq", "sinks"])
     zmq_result, sinks_result = report["results"]
     assert not zmq_result.get("skipped")
+    # uvloop is in the test extra: the host-on-uvloop row is there, beside the asyncio ones.
+    cases = {row["case"] for row in zmq_result["rows"]}
+    assert "kvstream Scheduler + ZmqSink, ring on, host on uvloop" in cases
+    assert "kvstream Scheduler + ZmqSink, replay ring on" in cases
     # Every batch reached the counting subscriber, on both sides.
     for row in zmq_result["rows"]:
         if "subscriber got" not in row.get("note", ""):

@@ -32,6 +32,7 @@ from kvstream._bench.measure import Meter, Sample, percentile, summarize
 from kvstream._bench.results import Result, Row, Target
 from kvstream._bench.sizes import Sizes
 from kvstream._bench.workload import batches
+from kvstream._event_loop import EventLoopName
 from kvstream.events import KVCacheEvent
 
 __all__ = [
@@ -115,7 +116,11 @@ class _DropIn:
     name = "kvstream EventPublisher"
 
     def __init__(
-        self, endpoint: str, idle_poll: float | None = None, buffer_steps: int = 10_000
+        self,
+        endpoint: str,
+        idle_poll: float | None = None,
+        buffer_steps: int = 10_000,
+        loop: EventLoopName = "asyncio",
     ) -> None:
         from kvstream.publisher import DEFAULT_IDLE_POLL, EventPublisher
 
@@ -128,6 +133,7 @@ class _DropIn:
             origin="bench-0",
             sink_options={"bind": True},
             idle_poll=DEFAULT_IDLE_POLL if idle_poll is None else idle_poll,
+            loop=loop,
         )
         self.sink = self.pub.scheduler.sinks[0]
         self.publish = self.pub.publish

@@ -60,13 +60,19 @@ def _line(cells: list[str], used: list[int], widths: dict[int, int], width: int)
     return ("  ".join(parts)).rstrip()[:width]
 
 
+def _on_loop(machine: dict[str, Any]) -> str:
+    """ ", on uvloop" when the report ran on another loop than asyncio's own."""
+    loop = machine.get("event_loop")
+    return f", on {loop}" if loop and loop != "asyncio" else ""
+
+
 def render_text(report: dict[str, Any], width: int = 200) -> str:
     """The whole report as plain text: one table per benchmark, then the targets."""
     lines: list[str] = []
     m = report.get("machine", {})
     lines.append(
         f"kvstream bench{' --quick' if report.get('quick') else ''}: {m.get('cpus')} CPUs "
-        f"({m.get('cpu_model')}), Python {m.get('python')}, load average "
+        f"({m.get('cpu_model')}), Python {m.get('python')}{_on_loop(m)}, load average "
         f"{m.get('load_average')} -> {m.get('load_average_end')}, {report.get('seconds')} s"
     )
     for result in report["results"]:
@@ -134,7 +140,8 @@ def print_report(report: dict[str, Any], out: TextIO, *, rich: bool = True) -> N
     m = report.get("machine", {})
     console.print(
         f"[bold]kvstream bench{' --quick' if report.get('quick') else ''}[/bold]: "
-        f"{m.get('cpus')} CPUs ({m.get('cpu_model')}), Python {m.get('python')}, load average "
+        f"{m.get('cpus')} CPUs ({m.get('cpu_model')}), Python {m.get('python')}{_on_loop(m)}, "
+        "load average "
         f"{m.get('load_average')} -> {m.get('load_average_end')}, {report.get('seconds')} s"
     )
     for result in report["results"]:

@@ -30,7 +30,8 @@ from kvstream._bench.quiet import quiet_logs
 from kvstream._bench.results import Result
 from kvstream._bench.sizes import Sizes
 from kvstream._bench.workload import event_pool, pool_stats
-from kvstream._bench.zmq_compare import bench_zmq
+from kvstream._bench.zmq_compare import bench_zmq, zmq_cases
+from kvstream._event_loop import running_loop_name
 from kvstream.events import KVCacheEvent
 
 __all__ = ["BENCHMARKS", "ProgressSink", "machine_info", "run_suite", "units"]
@@ -96,7 +97,7 @@ def units(name: str, sizes: Sizes) -> int:
     if name == "file":
         return runs * 4
     if name == "zmq":
-        return len(sizes.zmq_batch_sizes) * runs * 4
+        return len(sizes.zmq_batch_sizes) * runs * len(zmq_cases())
     if name == "publisher":
         return (len(sizes.zmq_batch_sizes) * 2 + 2 * 3) * runs
     if name == "memory":
@@ -132,6 +133,7 @@ def machine_info() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "cpu_model": cpu,
         "python": sys.version.split()[0],
+        "event_loop": running_loop_name(),
         "implementation": platform.python_implementation(),
         "platform": platform.platform(),
         "load_average": load,
@@ -139,7 +141,7 @@ def machine_info() -> dict[str, Any]:
         # index's `kvstream` is an unrelated project that may be installed beside it)
         "versions": {
             "kvstream": _version("kvstream-events"),
-            **{name: _version(name) for name in ("msgspec", "orjson", "pyzmq", "anyio")},
+            **{name: _version(name) for name in ("msgspec", "orjson", "pyzmq", "anyio", "uvloop")},
         },
     }
 

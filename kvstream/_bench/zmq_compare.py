@@ -11,7 +11,11 @@ on TCP to a subscriber in another process that only counts frames
   publisher of this wire costs at least, so every ratio can be read against it;
 * **kvstream, replay ring on** (vLLM always keeps its ring) and **ring off**:
   `Scheduler` + `ZmqSink` driven natively, an engine step loop of
-  `emit(chunk)`, `await tick()`, one checkpoint.
+  `emit(chunk)`, `await tick()`, one checkpoint, on the bench's own loop;
+* when uvloop is installed and the bench runs on asyncio's loop, **ring on, the
+  host on uvloop**: the same drive on a uvloop loop in a thread of its own (the
+  bench's loop waits), for hosts that run on uvloop, as uvicorn and vLLM's
+  server do. The targets are read from the bench's own loop.
 
 Measured in the sender process, from the first publish until the last batch has
 been handed to the socket: events/s and CPU per event (`time.process_time()`:
@@ -27,21 +31,24 @@ import resource
 import socket
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 
 from kvstream._bench.frame_counter import CounterProcess
 from kvstream._bench.measure import Meter, Sample, interleave, summarize
 from kvstream._bench.results import Result, Row, Target
 from kvstream._bench.sizes import Sizes
 from kvstream._bench.workload import EPOCH, ORIGIN, batches, chunks
+from kvstream._event_loop import backend_options, resolve_event_loop, running_loop_name
 from kvstream.events import KVCacheEvent
 from kvstream.scheduler import Scheduler
 
-__all__ = ["bench_zmq", "free_tcp_port", "zmq_available"]
+__all__ = ["bench_zmq", "free_tcp_port", "zmq_available", "zmq_cases"]
 
 Progress = Callable[[], None]
 
@@ -224,7 +231,24 @@ _CASES: tuple[tuple[str, str], ...] = (
     ("floor", "floor: msgspec encode + sync send, one thread"),
     ("ring", "kvstream Scheduler + ZmqSink, replay ring on"),
     ("noring", "kvstream Scheduler + ZmqSink, no ring"),
+    ("ring_uvloop", "kvstream Scheduler + ZmqSink, ring on, host on uvloop"),
 )
+
+
+def zmq_cases() -> list[tuple[str, str]]:
+    """The cases this run has: the uvloop host's only with uvloop installed and the
+    bench on asyncio's own loop."""
+    uvloop = resolve_event_loop("auto") == "uvloop" and running_loop_name() == "asyncio"
+    return [(key, label) for key, label in _CASES if key != "ring_uvloop" or uvloop]
+
+
+async def _on_uvloop(run: Callable[[], Awaitable[Sample]]) -> Sample:
+    """`run` on a uvloop event loop in a worker thread, while this loop waits."""
+
+    def main() -> Sample:
+        return anyio.run(run, backend="asyncio", backend_options=backend_options("uvloop"))
+
+    return await anyio.to_thread.run_sync(main)
 
 
 def _ratio(mine: list[Sample], base: list[Sample], what: str) -> float:
@@ -249,11 +273,12 @@ async def bench_zmq(
         return result
     from kvstream._bench.vllm_baseline import to_vllm_batch
 
-    endpoints = {key: f"tcp://127.0.0.1:{free_tcp_port()}" for key, _ in _CASES}
-    counters = {key: CounterProcess("zmq", endpoints[key]) for key, _ in _CASES}
+    cases = zmq_cases()
+    endpoints = {key: f"tcp://127.0.0.1:{free_tcp_port()}" for key, _ in cases}
+    counters = {key: CounterProcess("zmq", endpoints[key]) for key, _ in cases}
     probe_events = pool[:1]
     probe_batch = to_vllm_batch(batches(pool, 1, 1)[0])
-    series: dict[str, list[tuple[int, float]]] = {label: [] for _, label in _CASES}
+    series: dict[str, list[tuple[int, float]]] = {label: [] for _, label in cases}
     try:
         for n in sizes.zmq_batch_sizes:
             count = max(sizes.zmq_events // n, 16)
@@ -293,13 +318,33 @@ async def bench_zmq(
                     endpoints["noring"], counters["noring"], kchunks, total, probe_events
                 )
 
+            runners: dict[str, Callable[[], Awaitable[Sample]]] = {
+                "baseline": base_case,
+                "floor": floor_case,
+                "ring": ring_case,
+                "noring": noring_case,
+            }
+            if "ring_uvloop" in endpoints:
+
+                async def ring_uvloop_case(
+                    kchunks: list[list[KVCacheEvent]] = kchunks,
+                    total: int = total,
+                    ring_bytes: int = ring_bytes,
+                ) -> Sample:
+                    drive = partial(
+                        _kvstream_run,
+                        endpoints["ring_uvloop"],
+                        counters["ring_uvloop"],
+                        kchunks,
+                        total,
+                        probe_events,
+                        ring_bytes,
+                    )
+                    return await _on_uvloop(drive)
+
+                runners["ring_uvloop"] = ring_uvloop_case
             samples = await interleave(
-                {
-                    "baseline": base_case,
-                    "floor": floor_case,
-                    "ring": ring_case,
-                    "noring": noring_case,
-                },
+                runners,
                 runs=sizes.runs,
                 warmup=sizes.warmup,
                 on_run=progress,
@@ -311,7 +356,7 @@ async def bench_zmq(
                 return f"subscriber got {got}/{sent} batches"
 
             base_runs = samples["baseline"]
-            for key, label in _CASES:
+            for key, label in cases:
                 summary = summarize(samples[key])
                 note = received(samples[key])
                 if key != "baseline":

@@ -19,6 +19,7 @@ import anyio
 
 import kvstream
 from kvstream._cli.configfile import apply_config, finish_args, load_config
+from kvstream._event_loop import backend_options, resolve_event_loop
 from kvstream.errors import KVStreamError
 
 #: Subcommand modules, in the order `--help` lists them.
@@ -63,6 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--verbose",
         action="store_true",
         help="the same as --log-level INFO: shows every connection attempt, among others",
+    )
+    parser.add_argument(
+        "--loop",
+        default="asyncio",
+        choices=("asyncio", "uvloop", "auto"),
+        help="the event loop the command runs on: asyncio's own, uvloop "
+        "(pip install 'kvstream-events[uvloop]'), or auto: uvloop when installed "
+        "(default: asyncio)",
     )
     parser.add_argument(
         "--config",
@@ -120,7 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        code: int = anyio.run(args.func, args)
+        args.loop = resolve_event_loop(args.loop, field="--loop")
+        code: int = anyio.run(
+            args.func, args, backend="asyncio", backend_options=backend_options(args.loop)
+        )
     except KVStreamError as exc:
         print(f"kvstream {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -61,7 +61,7 @@ def _line(cells: list[str], used: list[int], widths: dict[int, int], width: int)
 
 
 def _on_loop(machine: dict[str, Any]) -> str:
-    """ ", on uvloop" when the report ran on another loop than asyncio's own."""
+    """For the report's first line: ", on uvloop" (say) unless it ran on asyncio's own loop."""
     loop = machine.get("event_loop")
     return f", on {loop}" if loop and loop != "asyncio" else ""
 

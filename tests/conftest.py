@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import AsyncIterator
+import os
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import pytest
 
@@ -20,6 +21,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             and "no_leaked_tasks" not in names
         ):
             names.append("no_leaked_tasks")
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """The loop every async test runs on: asyncio's own, or uvloop's with
+    KVSTREAM_TEST_LOOP=uvloop (CI runs the transports' tests on both)."""
+    if os.environ.get("KVSTREAM_TEST_LOOP", "asyncio") == "uvloop":
+        import uvloop
+
+        return {"uvloop": uvloop.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop}
 
 
 @pytest.fixture

@@ -52,13 +52,14 @@ import statistics
 import threading
 import time
 from functools import partial
-from typing import Any, cast, get_args
+from typing import Any
 
 from kvstream._bench import publisher_compare as pc
 from kvstream._bench.frame_counter import CounterProcess
 from kvstream._bench.vllm_baseline import to_vllm_batch
 from kvstream._bench.workload import batches, event_pool
-from kvstream._event_loop import EventLoopName
+from kvstream._event_loop import EventLoopName, resolve_event_loop
+from kvstream.errors import ConfigError
 
 
 def _thread(tid: int) -> dict[str, int]:
@@ -104,12 +105,11 @@ _WARMUP = 2
 
 
 def _loops(text: str) -> list[EventLoopName]:
-    """`--loop`: comma-separated loop names, each one kvstream knows."""
-    names = text.split(",")
-    for name in names:
-        if name not in get_args(EventLoopName):
-            raise argparse.ArgumentTypeError(f"expected asyncio, uvloop or auto, got {name!r}")
-    return cast(list[EventLoopName], names)
+    """`--loop`: comma-separated loop names, resolved as `EventPublisher` resolves them."""
+    try:
+        return [resolve_event_loop(name, field="--loop") for name in text.split(",")]
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--loop: ")) from exc
 
 
 def _variants(args: argparse.Namespace) -> list[tuple[float, EventLoopName]]:

@@ -27,7 +27,7 @@ def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
     """The loop every async test runs on: asyncio's own, or uvloop's with
-    KVSTREAM_TEST_LOOP=uvloop (CI runs the transports' tests on both)."""
+    KVSTREAM_TEST_LOOP=uvloop (CI runs the whole suite on both)."""
     if os.environ.get("KVSTREAM_TEST_LOOP", "asyncio") == "uvloop":
         import uvloop
 

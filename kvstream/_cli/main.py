@@ -13,13 +13,13 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, get_args
 
 import anyio
 
 import kvstream
 from kvstream._cli.configfile import apply_config, finish_args, load_config
-from kvstream._event_loop import backend_options, resolve_event_loop
+from kvstream._event_loop import EventLoopName, backend_options, resolve_event_loop
 from kvstream.errors import KVStreamError
 
 #: Subcommand modules, in the order `--help` lists them.
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--loop",
         default="asyncio",
-        choices=("asyncio", "uvloop", "auto"),
+        choices=get_args(EventLoopName),
         help="the event loop the command runs on: asyncio's own, uvloop "
         "(pip install 'kvstream-events[uvloop]'), or auto: uvloop when installed "
         "(default: asyncio)",

@@ -489,6 +489,10 @@ class LoopThread:
         except BaseException as exc:
             if not self._ready.is_set():
                 self._error = exc
+            elif self.report is not None and _refused_at_exit(exc):
+                # The scheduler closed; what failed is asyncio's runner ending the loop
+                # after it (see _refused_at_exit): nothing was lost.
+                log.debug("the scheduler's loop thread ended at interpreter exit: %s", exc)
             else:
                 log.exception("the scheduler's loop thread failed")
         finally:
@@ -525,6 +529,23 @@ class LoopThread:
         self._thread.join(self.scheduler.close_timeout + extra)
         if self._thread.is_alive():
             log.error("the scheduler's loop thread did not stop within its close timeout")
+
+
+def _refused_at_exit(exc: BaseException) -> bool:
+    """Whether `exc` is Python 3.12.0/3.12.1 refusing a new thread at interpreter exit.
+
+    Those versions refuse to start threads once the interpreter exits, atexit
+    callbacks included (3.12.2 lifted it: CPython gh-113964). A publisher that
+    was never shut down is closed from such a callback. After its scheduler has
+    closed, asyncio's runner shuts down the loop's default executor, which
+    needs a new thread for the join, and is refused. There is nothing left to
+    join then: `concurrent.futures` joins every executor's workers at exit,
+    before the atexit callbacks run.
+    """
+    return (
+        isinstance(exc, RuntimeError)
+        and str(exc) == "can't create new thread at interpreter shutdown"
+    )
 
 
 @contextlib.contextmanager

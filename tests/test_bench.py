@@ -159,6 +159,16 @@ async def test_zmq_and_sinks_tiny() -> None:
             continue  # the ring's cost: a difference of two rows
         got, sent = row["note"].split("subscriber got ")[1].split(" ")[0].split("/")
         assert got == sent, row
+    # The ring's cost at each batch size, in wall time (the target) and in process CPU.
+    data = zmq_result["data"]
+    wall_keys = sorted(k for k in data if k.startswith("ring_us_per_event_"))
+    cpu_keys = sorted(k for k in data if k.startswith("ring_cpu_us_per_event_"))
+    assert wall_keys
+    assert [k.rsplit("_", 1)[1] for k in cpu_keys] == [k.rsplit("_", 1)[1] for k in wall_keys]
+    assert all(isinstance(data[k], float) for k in cpu_keys)
+    costs = [r for r in zmq_result["rows"] if r["case"].startswith("replay ring's cost")]
+    assert len(costs) == len(wall_keys)
+    assert all(" in CPU); ring bound " in r["note"] for r in costs)
     assert {r["case"] for r in sinks_result["rows"]} == {"file", "unix", "zmq"}
     assert all(r["events_per_s"] > 0 and r["mb_per_s"] > 0 for r in sinks_result["rows"])
 

@@ -55,6 +55,52 @@ print("used", flush=True)
 """
 
 
+# Python 3.12.0 and 3.12.1 refuse to start threads once the interpreter exits, atexit
+# callbacks included (CPython gh-113964, lifted in 3.12.2). This script makes any
+# Python do the same: its own atexit callback, registered after the publisher's (atexit
+# runs them last in, first out), makes every later Thread.start() raise what those
+# versions raise. The TCP sink resolves its address through the loop's default
+# executor, which asyncio's runner then shuts down with a new thread.
+_PUBLISHER_WHERE_EXIT_REFUSES_THREADS = """
+import atexit, logging, sys, threading
+from kvstream import BlockRemoved
+from kvstream.publisher import EventPublisher
+
+logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
+pub = EventPublisher(["tcp://127.0.0.1:0", "file:" + sys.argv[1]], origin="forgetful")
+for i in range(int(sys.argv[2])):
+    pub.publish([BlockRemoved(block_hashes=[i + 1], medium="GPU")])
+
+def refuse(self, *args, **kwargs):
+    raise RuntimeError("can't create new thread at interpreter shutdown")
+
+atexit.register(lambda: setattr(threading.Thread, "start", refuse))
+print("used", flush=True)
+# no shutdown()
+"""
+
+
+def test_a_publisher_closed_where_exit_refuses_threads_delivers_without_a_failure(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "kv.jsonl"
+    result = subprocess.run(
+        [sys.executable, "-c", _PUBLISHER_WHERE_EXIT_REFUSES_THREADS, str(path), str(BATCHES)],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    stderr = result.stderr.decode()
+    assert result.returncode == 0, stderr
+    assert result.stdout.decode().strip() == "used"
+    # The refusal happened (the loop thread says so at debug level) and is not a failure.
+    assert "ended at interpreter exit: can't create new thread" in stderr, stderr
+    assert "Traceback" not in stderr, stderr
+    assert "failed" not in stderr, stderr
+    seqs = [json.loads(line)["seq"] for line in path.read_text().splitlines()]
+    assert seqs == list(range(BATCHES))
+
+
 def _url(kind: str, tmp_path: Path, broker: Callable[[], str]) -> str:
     if kind == "file":
         return f"file:{tmp_path / 'kv.jsonl'}"

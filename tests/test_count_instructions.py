@@ -3,24 +3,19 @@ arithmetic takes per-thread differences (callgrind itself is not needed here).""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from benchmark_scripts import BENCHMARKS, load_script
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "count_instructions.py"
+SCRIPT = BENCHMARKS / "count_instructions.py"
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("count_instructions", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("count_instructions")
 
 
 @pytest.mark.parametrize(

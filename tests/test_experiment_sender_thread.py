@@ -7,28 +7,20 @@ sink closes.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 
 import anyio
 import pytest
 import zmq
+from benchmark_scripts import load_script
 
 from kvstream import BlockStored, Scheduler
 from kvstream.codecs.msgpack import MsgpackCodec
 from kvstream.errors import ConfigError
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "experiment_sender_thread.py"
-
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("experiment_sender_thread", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("experiment_sender_thread")
 
 
 def _event(i: int) -> BlockStored:

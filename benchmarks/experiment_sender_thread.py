@@ -40,7 +40,6 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
-import anyio.to_thread
 import zmq
 
 from kvstream import Scheduler
@@ -134,13 +133,14 @@ class ThreadedZmqSink(ZmqSink):
             self._wake.wait()
             self._wake.clear()
 
-    async def aclose(self) -> None:
+    def _close_sockets(self) -> None:
+        # The sink's drain has handed everything over by now: the thread sends what is
+        # left, then ends, and only then are the sockets closed.
         self._stopping = True
         self._wake.set()
-        thread = self._thread
-        if thread is not None:
-            await anyio.to_thread.run_sync(thread.join)
-        await super().aclose()
+        if self._thread is not None:
+            self._thread.join()
+        super()._close_sockets()
 
 
 async def _run(

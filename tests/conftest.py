@@ -9,6 +9,9 @@ from collections.abc import AsyncIterator, Callable, Mapping
 
 import pytest
 
+from kvstream._event_loop import resolve_event_loop
+from kvstream.errors import ConfigError
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every async test gets the leak check (no asyncio task may outlive it)."""
@@ -23,12 +26,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             names.append("no_leaked_tasks")
 
 
+_TEST_LOOP = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """KVSTREAM_TEST_LOOP, resolved once: a name that is not a loop stops the run."""
+    name = os.environ.get("KVSTREAM_TEST_LOOP", "asyncio")
+    try:
+        config.stash[_TEST_LOOP] = resolve_event_loop(name, field="KVSTREAM_TEST_LOOP")
+    except ConfigError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
     """The loop every async test runs on: asyncio's own, or uvloop's with
     KVSTREAM_TEST_LOOP=uvloop (CI runs the whole suite on both)."""
-    if os.environ.get("KVSTREAM_TEST_LOOP", "asyncio") == "uvloop":
+    if config.stash[_TEST_LOOP] == "uvloop":
         import uvloop
 
         return {"uvloop": uvloop.new_event_loop}

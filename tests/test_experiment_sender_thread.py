@@ -43,7 +43,8 @@ async def test_both_variants_deliver_every_batch_in_order_and_end_their_thread(
         mode=mode,
         bind=True,
         replay_endpoint="tcp://127.0.0.1:0",
-        linger=0.0,
+        # Closed without waiting: what the thread sends last must get to leave.
+        linger=5.0,
         hwm=0,
         name="threaded",
     )

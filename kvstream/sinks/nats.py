@@ -30,14 +30,12 @@ the origin's snapshot to the stream `snapshot_stream` (default
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 import anyio
 import anyio.abc
 import anyio.lowlevel
 import orjson
-from anyio.abc import TaskGroup
 
 from kvstream._wire import nats_client
 from kvstream._wire.broker import (
@@ -46,23 +44,19 @@ from kvstream._wire.broker import (
     DEFAULT_SUBJECT_FILTER,
     SNAPSHOT_SUBJECT_PREFIX,
     Heartbeat,
-    Heartbeats,
-    SinkSnapshots,
-    SnapshotInfo,
     check_subject,
     default_subject,
     heartbeat_subject,
     key_from_headers,
     nats_headers,
     nats_headers_size,
-    snapshot_envelope,
     snapshot_subjects,
 )
 from kvstream._wire.broker_client import closed_on_error, shown_url
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ConfigError, TransportError
 from kvstream.events import EventBatch
-from kvstream.sinks.base import Sink
+from kvstream.sinks._broker import BrokerSink
 from kvstream.state import DEFAULT_MAX_BYTES
 
 if TYPE_CHECKING:
@@ -77,7 +71,7 @@ StorageKind = Literal["file", "memory"]
 _STREAM_EXISTS: Final = 10058  # JetStream: "stream name already in use"
 
 
-class NatsSink(Sink):
+class NatsSink(BrokerSink):
     """Publish every batch to NATS JetStream and wait for its ack.
 
     `subject`: where every batch goes; None publishes each batch to
@@ -120,7 +114,13 @@ class NatsSink(Sink):
             raise ConfigError(f"{self.shown}: storage: expected file or memory, got {storage!r}")
         options.setdefault("codec", JsonCodec())
         options.setdefault("name", f"{self.shown}/{subject or 'kv.events.<origin>'}")
-        super().__init__(**options)
+        super().__init__(
+            snapshot_every=snapshot_every,
+            snapshot_interval=snapshot_interval,
+            snapshot_max_bytes=snapshot_max_bytes,
+            heartbeat=heartbeat,
+            **options,
+        )
         if self.codec is None:
             raise ConfigError("NatsSink: codec: expected a codec, got None")
         self.subject = subject
@@ -150,30 +150,12 @@ class NatsSink(Sink):
         self.duplicates = 0
         #: Batches refused because their message exceeds the size limit.
         self.oversized = 0
-        #: The state kept for snapshots (None: snapshots are off).
-        self.snapshots: SinkSnapshots | None = None
-        if snapshot_every is not None or snapshot_interval is not None:
-            self.snapshots = SinkSnapshots(
-                self.shown,
-                every=snapshot_every,
-                interval=snapshot_interval,
-                max_bytes=snapshot_max_bytes,
-                clock=time.monotonic,
-            )
         if not snapshot_stream or any(c in snapshot_stream for c in " .*>"):
             raise ConfigError(
                 f"{self.shown}: snapshot_stream: expected a stream name without spaces, "
                 f"dots, * or >, got {snapshot_stream!r}"
             )
         self.snapshot_stream = snapshot_stream
-        if heartbeat is not None and not heartbeat > 0:
-            raise ConfigError(f"{self.shown}: heartbeat: expected seconds > 0, got {heartbeat!r}")
-        self.heartbeat = heartbeat
-        self._heartbeats = (
-            Heartbeats(heartbeat, self.shown, self._beat, clock=time.monotonic)
-            if heartbeat is not None
-            else None
-        )
 
     # -- connection ---------------------------------------------------------------
 
@@ -376,10 +358,7 @@ class NatsSink(Sink):
     # -- snapshots and heartbeats ----------------------------------------------------
 
     async def _delivered(self, batch: EventBatch, subject: str, stream_seq: int) -> None:
-        if self._heartbeats is not None:
-            self._heartbeats.delivered(batch)
-        snapshots = self.snapshots
-        if snapshots is not None and snapshots.delivered(batch, str(stream_seq)):
+        if self._keep_delivered(batch, str(stream_seq)):
             await self.publish_snapshot(batch.origin, subject)
 
     async def publish_snapshot(self, origin: str, subject: str | None = None) -> bool:
@@ -394,21 +373,12 @@ class NatsSink(Sink):
         js = self._js
         if snapshots is None or client is None or js is None:
             return False
-        encoded = await snapshots.encode(origin)
-        if encoded is None:
-            return False
-        snap, position, parts = encoded
-        info = SnapshotInfo(
-            origin=snap.origin,
-            epoch=snap.epoch,
-            resume_seq=snap.resume_seq,
-            position=position,
-            where=subject or self.subject or default_subject(origin),
-            blocks=snap.blocks,
-            ts=snap.ts,
+        made = await self._snapshot_envelope(
+            origin, subject or self.subject or default_subject(origin)
         )
-        envelope = snapshot_envelope(info, parts)
-        del parts
+        if made is None:
+            return False
+        snap, info, envelope = made
         head_subject, part_subject = snapshot_subjects(origin)
         chunk = max(self._max_message - 256, 1024)
         try:
@@ -442,10 +412,6 @@ class NatsSink(Sink):
         if client is None or not client.is_connected:
             return
         await client.publish(heartbeat_subject(heartbeat.origin), heartbeat.to_json())
-
-    def start_tasks(self, tg: TaskGroup) -> None:
-        if self._heartbeats is not None:
-            tg.start_soon(self._heartbeats.run, name=f"kvstream heartbeats {self.name}")
 
     async def aclose(self) -> None:
         try:

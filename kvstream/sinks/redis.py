@@ -29,34 +29,28 @@ epoch, last seq and a counter (readers poll it).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
-from anyio.abc import TaskGroup
 
 from kvstream._wire import redis_client
 from kvstream._wire.broker import (
     DEFAULT_REDIS_STREAM,
     BatchKey,
     Heartbeat,
-    Heartbeats,
-    SinkSnapshots,
-    SnapshotInfo,
     key_from_fields,
     redis_fields,
     redis_heartbeats_key,
     redis_snapshot_index,
     redis_snapshot_key,
-    snapshot_envelope,
 )
 from kvstream._wire.broker_client import shown_url
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ConfigError, DecodeError, TransportError
 from kvstream.events import EventBatch
-from kvstream.sinks.base import Sink
+from kvstream.sinks._broker import BrokerSink
 from kvstream.state import DEFAULT_MAX_BYTES
 
 if TYPE_CHECKING:
@@ -83,7 +77,7 @@ def _next_id(entry_id: bytes) -> bytes:
     return ms + b"-" + str(int(seq or b"0") + 1).encode()
 
 
-class RedisSink(Sink):
+class RedisSink(BrokerSink):
     """Append every batch to the Redis stream `stream` with `XADD`.
 
     `maxlen` trims the stream to about that many entries (`MAXLEN ~`).
@@ -117,7 +111,13 @@ class RedisSink(Sink):
             raise ConfigError(f"{self.shown}: maxlen: expected an int >= 1, got {maxlen!r}")
         options.setdefault("codec", JsonCodec())
         options.setdefault("name", f"{self.shown}/{stream}")
-        super().__init__(**options)
+        super().__init__(
+            snapshot_every=snapshot_every,
+            snapshot_interval=snapshot_interval,
+            snapshot_max_bytes=snapshot_max_bytes,
+            heartbeat=heartbeat,
+            **options,
+        )
         if self.codec is None:
             raise ConfigError("RedisSink: codec: expected a codec, got None")
         self.stream = stream
@@ -134,24 +134,6 @@ class RedisSink(Sink):
         self._uncertain = False
         #: Batches a retry found already written (and did not write again).
         self.duplicates = 0
-        #: The state kept for snapshots (None: snapshots are off).
-        self.snapshots: SinkSnapshots | None = None
-        if snapshot_every is not None or snapshot_interval is not None:
-            self.snapshots = SinkSnapshots(
-                self.shown,
-                every=snapshot_every,
-                interval=snapshot_interval,
-                max_bytes=snapshot_max_bytes,
-                clock=time.monotonic,
-            )
-        if heartbeat is not None and not heartbeat > 0:
-            raise ConfigError(f"{self.shown}: heartbeat: expected seconds > 0, got {heartbeat!r}")
-        self.heartbeat = heartbeat
-        self._heartbeats = (
-            Heartbeats(heartbeat, self.shown, self._beat, clock=time.monotonic)
-            if heartbeat is not None
-            else None
-        )
 
     async def open(self) -> None:
         client = await redis_client.open_stream_client(
@@ -248,10 +230,7 @@ class RedisSink(Sink):
     # -- snapshots and heartbeats ----------------------------------------------------
 
     async def _delivered(self, batch: EventBatch, entry_id: str) -> None:
-        if self._heartbeats is not None:
-            self._heartbeats.delivered(batch)
-        snapshots = self.snapshots
-        if snapshots is not None and snapshots.delivered(batch, entry_id):
+        if self._keep_delivered(batch, entry_id):
             await self.publish_snapshot(batch.origin)
 
     async def publish_snapshot(self, origin: str) -> bool:
@@ -265,21 +244,10 @@ class RedisSink(Sink):
         client = self._client
         if snapshots is None or client is None:
             return False
-        encoded = await snapshots.encode(origin)
-        if encoded is None:
+        made = await self._snapshot_envelope(origin, self.stream)
+        if made is None:
             return False
-        snap, position, parts = encoded
-        info = SnapshotInfo(
-            origin=snap.origin,
-            epoch=snap.epoch,
-            resume_seq=snap.resume_seq,
-            position=position,
-            where=self.stream,
-            blocks=snap.blocks,
-            ts=snap.ts,
-        )
-        envelope = snapshot_envelope(info, parts)
-        del parts
+        snap, _, envelope = made
         try:
             async with client.pipeline(transaction=True) as pipe:
                 pipe.set(redis_snapshot_key(self.stream, origin), envelope)
@@ -296,10 +264,6 @@ class RedisSink(Sink):
         await client.hset(
             redis_heartbeats_key(self.stream), heartbeat.origin.encode(), heartbeat.to_json()
         )
-
-    def start_tasks(self, tg: TaskGroup) -> None:
-        if self._heartbeats is not None:
-            tg.start_soon(self._heartbeats.run, name=f"kvstream heartbeats {self.name}")
 
     async def aclose(self) -> None:
         try:

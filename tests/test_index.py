@@ -1185,24 +1185,38 @@ async def test_http_a_failing_query_is_a_500_and_the_server_goes_on(
 # -- the command line ------------------------------------------------------------------------------
 
 
-def test_cli_index_follows_a_file_and_answers_queries() -> None:
-    directory = tempfile.mkdtemp(dir="/tmp")
-    path = os.path.join(directory, "kv.jsonl")
-    codec = JsonCodec()
-    with open(path, "wb") as f:
-        f.write(codec.encode(_batch(0, [_stored([1, 2, 3], T[:12])], origin="engine-0")) + b"\n")
+def _start_cli_index(path: str, *options: str) -> tuple[subprocess.Popen[bytes], int]:
+    """`kvstream index PATH` on a free port, and that port (from the line it prints)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "kvstream", "index", path, "--block-size", str(B)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstream", "index", path, "--block-size", str(B), "--port", "0"],
+        [*command, "--port", "0", *options],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,
     )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    if "http://127.0.0.1:" not in line:
+        proc.kill()
+        _, err = proc.communicate(timeout=30)
+        raise AssertionError(f"kvstream index did not start: {line!r} {err.decode()}")
+    return proc, int(line.rsplit(":", 1)[1].split()[0].strip("/"))
+
+
+def _one_batch_file() -> str:
+    path = os.path.join(tempfile.mkdtemp(dir="/tmp"), "kv.jsonl")
+    with open(path, "wb") as f:
+        f.write(JsonCodec().encode(_batch(0, [_stored([1, 2, 3], T[:12])], origin="engine-0")))
+        f.write(b"\n")
+    return path
+
+
+def test_cli_index_follows_a_file_and_answers_queries() -> None:
+    path = _one_batch_file()
+    codec = JsonCodec()
+    proc, port = _start_cli_index(path)
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode()
-        assert "http://127.0.0.1:" in line, line
-        port = int(line.rsplit(":", 1)[1].split()[0].strip("/"))
 
         async def query() -> list[Any]:
             with anyio.fail_after(30):
@@ -1246,6 +1260,51 @@ def test_cli_index_follows_a_file_and_answers_queries() -> None:
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err.decode()
+
+
+_STATS = b"GET /stats HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+
+
+def test_cli_index_max_connections_bounds_the_connections_served() -> None:
+    # With room for one connection, a silent client is closed to make room for a
+    # query; with the default (64) it would stay open until its idle timeout (30 s).
+    path = _one_batch_file()
+    proc, port = _start_cli_index(path, "--max-connections", "1")
+    try:
+
+        async def check() -> None:
+            with anyio.fail_after(60):
+                async with await anyio.connect_tcp("127.0.0.1", port) as silent:
+                    while True:
+                        # A query that arrives before the silent client is taken in
+                        # may be the one closed instead: it is asked again.
+                        try:
+                            status, _, body = await _http(port, _STATS)
+                        except (OSError, anyio.BrokenResourceError, AssertionError):
+                            await anyio.sleep(0.05)
+                            continue
+                        assert status == 200
+                        assert body["http"]["requests"] >= 1
+                        break
+                    # Closed when the query came in (an idle timeout would take 30 s).
+                    with (
+                        anyio.fail_after(10),
+                        pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError)),
+                    ):
+                        await silent.receive()
+
+        anyio.run(check)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err.decode()
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvstream", "index", path, "--max-connections", "0"],
+        capture_output=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2
+    assert "max_connections: expected a positive int, got 0" in bad.stderr.decode()
 
 
 def test_cli_index_demo_routes_better_than_random(capsys: pytest.CaptureFixture[str]) -> None:

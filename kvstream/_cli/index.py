@@ -75,6 +75,14 @@ def register(sub: Any) -> None:
         help="largest request body accepted (4194304)",
     )
     p.add_argument(
+        "--max-connections",
+        type=int,
+        default=64,
+        metavar="N",
+        help="connections served at once (64); at the limit a new one takes the place of the "
+        "connection idle the longest, and is answered 503 only when all N are mid-request",
+    )
+    p.add_argument(
         "--token-env",
         metavar="NAME",
         default=None,
@@ -173,6 +181,7 @@ async def run(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             max_request_bytes=args.max_request_bytes,
+            max_connections=args.max_connections,
             token=read_token(env=args.token_env, file=args.token_file, where="kvstream index"),
         ) as server,
         anyio.create_task_group() as tg,

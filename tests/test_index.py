@@ -1185,10 +1185,11 @@ async def test_http_a_failing_query_is_a_500_and_the_server_goes_on(
 # -- the command line ------------------------------------------------------------------------------
 
 
-def _start_cli_index(path: str, *options: str) -> tuple[subprocess.Popen[bytes], int]:
-    """`kvstream index PATH` on a free port, and that port (from the line it prints)."""
+def _start_cli_index(paths: str | list[str], *options: str) -> tuple[subprocess.Popen[bytes], int]:
+    """`kvstream index PATH...` on a free port, and that port (from the line it prints)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "kvstream", "index", path, "--block-size", str(B)]
+    streams = [paths] if isinstance(paths, str) else paths
+    command = [sys.executable, "-m", "kvstream", "index", *streams, "--block-size", str(B)]
     proc = subprocess.Popen(
         [*command, "--port", "0", *options],
         stdout=subprocess.PIPE,
@@ -1204,10 +1205,11 @@ def _start_cli_index(path: str, *options: str) -> tuple[subprocess.Popen[bytes],
     return proc, int(line.rsplit(":", 1)[1].split()[0].strip("/"))
 
 
-def _one_batch_file() -> str:
+def _one_batch_file(origin: str = "engine-0", blocks: int = 3) -> str:
     path = os.path.join(tempfile.mkdtemp(dir="/tmp"), "kv.jsonl")
+    stored = _stored(list(range(1, blocks + 1)), T[: blocks * B])
     with open(path, "wb") as f:
-        f.write(JsonCodec().encode(_batch(0, [_stored([1, 2, 3], T[:12])], origin="engine-0")))
+        f.write(JsonCodec().encode(_batch(0, [stored], origin=origin)))
         f.write(b"\n")
     return path
 
@@ -1260,6 +1262,36 @@ def test_cli_index_follows_a_file_and_answers_queries() -> None:
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err.decode()
+
+
+def test_cli_index_follows_several_streams_into_one_index() -> None:
+    streams = [_one_batch_file("engine-0", 3), _one_batch_file("engine-1", 2)]
+    proc, port = _start_cli_index(streams)
+    try:
+
+        async def query() -> list[Any]:
+            with anyio.fail_after(30):
+                while True:
+                    status, _, body = await _http(port, _post(orjson.dumps({"token_ids": T})))
+                    assert status == 200
+                    if len(body["matches"]) == 2:
+                        return body["matches"]  # type: ignore[no-any-return]
+                    await anyio.sleep(0.05)
+
+        matches = anyio.run(query)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err.decode()
+    assert [(m["origin"], m["blocks"]) for m in matches] == [("engine-0", 3), ("engine-1", 2)]
+    assert "2 origin(s)" in err.decode()
+    twice = subprocess.run(
+        [sys.executable, "-m", "kvstream", "index", streams[0], streams[0]],
+        capture_output=True,
+        timeout=60,
+    )
+    assert twice.returncode == 2
+    assert "given twice" in twice.stderr.decode()
 
 
 _STATS = b"GET /stats HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"

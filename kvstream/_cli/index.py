@@ -1,10 +1,11 @@
-"""`kvstream index`: follow a stream into a prefix index and answer queries over HTTP.
+"""`kvstream index`: follow streams into a prefix index and answer queries over HTTP.
 
-`kvstream index URL` reads batches from any subscriber URL (a JSON-lines file,
-followed as it grows; ZMQ, NATS, Redis, ...), keeps a
-[`PrefixIndex`][kvstream.index._prefix.PrefixIndex] and serves `POST /match` and
-`GET /stats` on 127.0.0.1. It runs until Ctrl-C or SIGTERM, and keeps
-answering from what it has if the stream ends.
+`kvstream index URL [URL ...]` reads batches from any subscriber URLs (a JSON-lines
+file, followed as it grows; ZMQ, NATS, Redis, ...), all into one
+[`PrefixIndex`][kvstream.index._prefix.PrefixIndex], and serves `POST /match` and
+`GET /stats` on 127.0.0.1. One URL per engine is the usual fleet (each ZMQ
+publisher is its own origin, named by `origin=` or its endpoint). It runs until
+Ctrl-C or SIGTERM, and keeps answering from what it has if a stream ends.
 
 With `--state FILE` the index is loaded from FILE at start (when it exists),
 saved every `--save-interval` seconds and on shutdown (written to a temporary
@@ -23,6 +24,7 @@ import os
 import signal
 import sys
 import time
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ import anyio
 from kvstream._cli.longrun import add_metrics_option, metrics_token, open_metrics
 from kvstream._wire.socket_security import read_token
 from kvstream.config import open_subscriber, parse_url
-from kvstream.consumers.base import Gap
+from kvstream.consumers.base import Gap, Subscriber
 from kvstream.errors import ConfigError
 from kvstream.index._demo import RoutingResult, compare_routing
 from kvstream.index._http import QueryServer
@@ -45,6 +47,8 @@ EXAMPLES = """\
 examples:
   kvstream index kv.jsonl                         follow a file, serve on 127.0.0.1:5690
   kvstream index zmq+tcp://127.0.0.1:5557 --port 0
+  kvstream index 'zmq+tcp://10.0.0.1:5557?origin=engine-0' 'zmq+tcp://10.0.0.2:5557?origin=engine-1'
+                                                  one index of two engines
   curl -s localhost:5690/match -d '{"token_ids": [1, 2, 3, 4]}'
   curl -s localhost:5690/stats
   kvstream index kv.jsonl --state index.state     warm after a restart
@@ -62,7 +66,12 @@ def register(sub: Any) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("url", nargs="?", metavar="URL", help="the stream to follow (a subscriber URL)")
+    p.add_argument(
+        "url",
+        nargs="*",
+        metavar="URL",
+        help="the streams to follow (subscriber URLs), all into one index",
+    )
     p.add_argument("--block-size", type=int, default=16, help="the engines' block size (16)")
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (127.0.0.1)")
     p.add_argument(
@@ -139,13 +148,16 @@ def register(sub: Any) -> None:
 async def run(args: argparse.Namespace) -> int:
     if args.demo:
         if args.url:
-            raise ConfigError(f"--demo takes no URL, got {args.url!r}")
+            raise ConfigError(f"--demo takes no URL, got {' '.join(args.url)!r}")
         return _demo(args)
     if not args.url:
         raise ConfigError(
-            "URL: expected the stream to follow (file:PATH, zmq+tcp://..., nats://..., "
+            "URL: expected the streams to follow (file:PATH, zmq+tcp://..., nats://..., "
             "redis://...), or --demo"
         )
+    twice = next((url for i, url in enumerate(args.url) if url in args.url[:i]), None)
+    if twice is not None:
+        raise ConfigError(f"URL: {twice!r} given twice (each stream is followed once)")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port: expected 0-65535, got {args.port}")
     if args.save_interval <= 0:
@@ -170,12 +182,11 @@ async def run(args: argparse.Namespace) -> int:
             f"{len(stats.origins)} stream(s)",
             file=sys.stderr,
         )
-    kwargs: dict[str, Any] = {"follow": True} if parse_url(args.url).scheme == "file" else {}
-    subscriber = open_subscriber(args.url, **kwargs)
+    subscribers = [_subscriber(url) for url in args.url]
     stopped_by: str | None = None
     async with (
         open_metrics(args.metrics, command="index", token=metrics_token(args)) as metrics,
-        subscriber,
+        AsyncExitStack() as stack,
         QueryServer(
             index,
             host=args.host,
@@ -186,10 +197,12 @@ async def run(args: argparse.Namespace) -> int:
         ) as server,
         anyio.create_task_group() as tg,
     ):
+        for subscriber in subscribers:
+            await stack.enter_async_context(subscriber)
         if metrics is not None:
             metrics.collector.add(index, kind="index")
         print(
-            f"kvstream index: following {args.url}; serving {server.url}/ "
+            f"kvstream index: following {', '.join(args.url)}; serving {server.url}/ "
             "(POST /match, GET /stats)",
             flush=True,
         )
@@ -202,7 +215,7 @@ async def run(args: argparse.Namespace) -> int:
                     tg.cancel_scope.cancel()
                     return
 
-        async def follow() -> None:
+        async def follow(subscriber: Subscriber, url: str) -> None:
             iterator = aiter(subscriber)
             try:
                 async for item in iterator:
@@ -218,19 +231,24 @@ async def run(args: argparse.Namespace) -> int:
                 if aclose is not None:
                     with anyio.CancelScope(shield=True):
                         await aclose()
-            print("kvstream index: the stream ended; still serving", file=sys.stderr)
+            print(f"kvstream index: the stream {url} ended; still serving", file=sys.stderr)
 
         async def keep_alive() -> None:
             """Publishers heard from (their heartbeats, with `?heartbeats=true`) keep
             their streams alive under --ttl while idle; one gone stops, and expires."""
-            liveness = getattr(subscriber, "liveness", None)
-            if liveness is None or args.ttl is None:
+            sources = [
+                liveness
+                for liveness in (getattr(sub, "liveness", None) for sub in subscribers)
+                if liveness is not None
+            ]
+            if not sources or args.ttl is None:
                 return
             while True:
                 await anyio.sleep(min(args.ttl / 4, 1.0))
-                for origin, heard in liveness().items():
-                    if heard.alive and heard.interval is not None:
-                        index.heartbeat(origin, ...)
+                for liveness in sources:
+                    for origin, heard in liveness().items():
+                        if heard.alive and heard.interval is not None:
+                            index.heartbeat(origin, ...)
 
         async def save_periodically() -> None:
             assert state_path is not None
@@ -243,7 +261,8 @@ async def run(args: argparse.Namespace) -> int:
                     print(f"kvstream index: {exc}; will retry", file=sys.stderr)
 
         tg.start_soon(watch_signals)
-        tg.start_soon(follow)
+        for subscriber, url in zip(subscribers, args.url, strict=True):
+            tg.start_soon(follow, subscriber, url)
         tg.start_soon(keep_alive)
         if state_path is not None:
             tg.start_soon(save_periodically)
@@ -263,6 +282,12 @@ async def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _subscriber(url: str) -> Subscriber:
+    """The subscriber of `url`; a file is followed as it grows."""
+    options: dict[str, Any] = {"follow": True} if parse_url(url).scheme == "file" else {}
+    return open_subscriber(url, **options)
 
 
 def _weights(pairs: list[str]) -> dict[str, float] | None:

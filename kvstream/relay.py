@@ -52,6 +52,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from kvstream._burst_log import BurstLogs
+from kvstream._redact import redact_url
 from kvstream.consumers.base import Gap, Subscriber
 from kvstream.errors import ConfigError
 from kvstream.events import AllBlocksCleared, EventBatch, KVCacheEvent
@@ -161,8 +162,9 @@ class Relay:
         self._gaps_marked = 0
         self.scheduler = scheduler
         self.subscribers = list(subscribers)
+        # Names are shown in logs, task names and statistics: a URL loses its secrets.
         self.names = (
-            list(names)
+            [redact_url(name) for name in names]
             if names is not None
             else [f"{type(s).__name__}#{i}" for i, s in enumerate(self.subscribers)]
         )

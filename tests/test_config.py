@@ -57,8 +57,9 @@ def test_network_addresses_and_options() -> None:
     [
         ("", "non-empty"),
         ("   ", "non-empty"),
-        ("tcp://host:99999", "port"),
-        ("tcp://host:http", "port"),
+        ("tcp://host:99999", "port: expected a number 0-65535, got '99999'"),
+        ("tcp://host:http", "port: expected a number 0-65535, got 'http'"),
+        ("zmq+tcp://user:pw@[::1]:x1", "port: expected a number 0-65535, got 'x1'"),
         ("file:x?=&&", "malformed query"),
     ],
 )

@@ -1292,6 +1292,17 @@ def test_cli_index_follows_several_streams_into_one_index() -> None:
     )
     assert twice.returncode == 2
     assert "given twice" in twice.stderr.decode()
+    same = subprocess.run(
+        [
+            *(sys.executable, "-m", "kvstream", "index"),
+            "zmq+tcp://127.0.0.1:5557?origin=engine-0",
+            "zmq+tcp://127.0.0.1:5567?origin=engine-0",
+        ],
+        capture_output=True,
+        timeout=60,
+    )
+    assert same.returncode == 2
+    assert "origin='engine-0' given to" in same.stderr.decode()
 
 
 _STATS = b"GET /stats HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"

@@ -32,7 +32,7 @@ import anyio
 
 from kvstream._cli.longrun import add_metrics_option, metrics_token, open_metrics
 from kvstream._wire.socket_security import read_token
-from kvstream.config import open_subscriber, parse_url
+from kvstream.config import open_subscriber, parse_url, redact_url
 from kvstream.consumers.base import Gap, Subscriber
 from kvstream.errors import ConfigError
 from kvstream.index._demo import RoutingResult, compare_routing
@@ -157,7 +157,15 @@ async def run(args: argparse.Namespace) -> int:
         )
     twice = next((url for i, url in enumerate(args.url) if url in args.url[:i]), None)
     if twice is not None:
-        raise ConfigError(f"URL: {twice!r} given twice (each stream is followed once)")
+        raise ConfigError(f"URL: {redact_url(twice)!r} given twice (each stream is followed once)")
+    named: dict[str, str] = {}
+    for url in args.url:
+        origin = parse_url(url).options.get("origin")
+        if origin is not None and named.setdefault(origin, url) != url:
+            raise ConfigError(
+                f"URL: origin={origin!r} given to {redact_url(named[origin])!r} and "
+                f"{redact_url(url)!r}; each stream needs an origin of its own"
+            )
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port: expected 0-65535, got {args.port}")
     if args.save_interval <= 0:
@@ -202,7 +210,8 @@ async def run(args: argparse.Namespace) -> int:
         if metrics is not None:
             metrics.collector.add(index, kind="index")
         print(
-            f"kvstream index: following {', '.join(args.url)}; serving {server.url}/ "
+            f"kvstream index: following {', '.join(map(redact_url, args.url))}; "
+            f"serving {server.url}/ "
             "(POST /match, GET /stats)",
             flush=True,
         )
@@ -231,7 +240,10 @@ async def run(args: argparse.Namespace) -> int:
                 if aclose is not None:
                     with anyio.CancelScope(shield=True):
                         await aclose()
-            print(f"kvstream index: the stream {url} ended; still serving", file=sys.stderr)
+            print(
+                f"kvstream index: the stream {redact_url(url)} ended; still serving",
+                file=sys.stderr,
+            )
 
         async def keep_alive() -> None:
             """Publishers heard from (their heartbeats, with `?heartbeats=true`) keep

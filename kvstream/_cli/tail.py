@@ -25,7 +25,7 @@ import orjson
 from kvstream._cli.longrun import add_metrics_option, metrics_token, open_metrics
 from kvstream._cli.upstream import bind_rule, open_upstream, refuse_foreign_file
 from kvstream.codecs.json import JsonCodec, json_default
-from kvstream.config import ParsedURL, parse_url, subscribe
+from kvstream.config import ParsedURL, parse_url, redact_url, subscribe
 from kvstream.consumers.base import Gap, Subscriber
 from kvstream.consumers.socket import SocketSubscriber
 from kvstream.errors import ConfigError
@@ -290,7 +290,7 @@ async def run(args: argparse.Namespace) -> int:
         anyio.create_task_group() as tg,
     ):
         if metrics is not None:
-            metrics.collector.add(counters, kind="tail", labels={"url": args.url})
+            metrics.collector.add(counters, kind="tail", labels={"url": redact_url(args.url)})
 
         async def stop_on_signal() -> None:
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -23,6 +23,7 @@ from typing import Final
 import anyio
 
 from kvstream._backoff import Backoff
+from kvstream._redact import redact_url
 from kvstream._wire.vllm_zmq import should_bind
 from kvstream.codecs.json import JsonCodec
 from kvstream.consumers.base import Subscriber
@@ -58,6 +59,7 @@ async def open_upstream(
     when `retry` is false, propagates.
     """
     backoff = Backoff(initial, maximum, where=f"kvstream {command}: retry")
+    shown = redact_url(url)
     while True:
         attempt = backoff.failures + 1
         sub = make()
@@ -77,11 +79,13 @@ async def open_upstream(
                     file=sys.stderr,
                     flush=True,
                 )
-            log.info("%s: attempt %d failed (%s); next attempt in %.1f s", url, attempt, exc, delay)
+            log.info(
+                "%s: attempt %d failed (%s); next attempt in %.1f s", shown, attempt, exc, delay
+            )
             await anyio.sleep(delay)
             continue
         if attempt > 1:
-            log.warning("%s: connected after %d attempts", url, attempt)
+            log.warning("%s: connected after %d attempts", shown, attempt)
         break
     async with stack:
         yield sub

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from kvstream._redact import redact_url
 from kvstream._wire.from_seq import FromSeq
 from kvstream.codecs.base import Codec
 from kvstream.config._registry import Registry
@@ -44,6 +45,7 @@ __all__ = [
     "open_subscriber",
     "parse_size",
     "parse_url",
+    "redact_url",
     "subscribe",
 ]
 
@@ -92,6 +94,11 @@ class ParsedURL:
     options: Mapping[str, str] = field(default_factory=dict)
 
     @property
+    def shown(self) -> str:
+        """The URL as messages show it: credentials and secret options as `***`."""
+        return redact_url(self.raw)
+
+    @property
     def address(self) -> str:
         """`host:port` (IPv6 hosts in brackets)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
@@ -103,6 +110,8 @@ class Options:
 
     def __init__(self, url: str, options: Mapping[str, str]) -> None:
         self.url = url
+        #: `url` as messages show it (`redact_url()`)
+        self.shown = redact_url(url)
         self._options = dict(options)
 
     def __contains__(self, key: str) -> bool:
@@ -115,7 +124,7 @@ class Options:
         value = self._options.pop(key, default)
         if value not in choices:
             raise ConfigError(
-                f"{self.url}: option {key}: expected one of {', '.join(choices)}, got {value!r}"
+                f"{self.shown}: option {key}: expected one of {', '.join(choices)}, got {value!r}"
             )
         return value
 
@@ -127,10 +136,10 @@ class Options:
             n = int(value)
         except ValueError:
             raise ConfigError(
-                f"{self.url}: option {key}: expected an integer, got {value!r}"
+                f"{self.shown}: option {key}: expected an integer, got {value!r}"
             ) from None
         if n < minimum:
-            raise ConfigError(f"{self.url}: option {key}: expected >= {minimum}, got {n}")
+            raise ConfigError(f"{self.shown}: option {key}: expected >= {minimum}, got {n}")
         return n
 
     def pop_float(self, key: str, default: float | None = None) -> float | None:
@@ -141,15 +150,15 @@ class Options:
             x = float(value)
         except ValueError:
             raise ConfigError(
-                f"{self.url}: option {key}: expected a number, got {value!r}"
+                f"{self.shown}: option {key}: expected a number, got {value!r}"
             ) from None
         if not x >= 0:
-            raise ConfigError(f"{self.url}: option {key}: expected a number >= 0, got {value!r}")
+            raise ConfigError(f"{self.shown}: option {key}: expected a number >= 0, got {value!r}")
         return x
 
     def pop_size(self, key: str, default: int) -> int:
         value = self._options.pop(key, None)
-        return default if value is None else parse_size(value, f"{self.url}: option {key}")
+        return default if value is None else parse_size(value, f"{self.shown}: option {key}")
 
     def pop_bool(self, key: str, default: bool = False) -> bool:
         value = self._options.pop(key, None)
@@ -160,13 +169,13 @@ class Options:
             return True
         if lowered in ("0", "false", "no", "off"):
             return False
-        raise ConfigError(f"{self.url}: option {key}: expected true or false, got {value!r}")
+        raise ConfigError(f"{self.shown}: option {key}: expected true or false, got {value!r}")
 
     def finish(self) -> None:
         """Raise for every option nobody took."""
         if self._options:
             names = ", ".join(sorted(self._options))
-            raise ConfigError(f"{self.url}: unknown option(s): {names}")
+            raise ConfigError(f"{self.shown}: unknown option(s): {names}")
 
 
 def parse_url(url: str) -> ParsedURL:
@@ -179,7 +188,9 @@ def parse_url(url: str) -> ParsedURL:
     try:
         options = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
     except ValueError:
-        raise ConfigError(f"{url}: malformed query string {query!r}") from None
+        raise ConfigError(
+            f"{redact_url(url)}: malformed query string: expected NAME=VALUE pairs joined by &"
+        ) from None
     m = re.match(r"^([a-zA-Z][a-zA-Z0-9+.-]*):(.*)$", base)
     if m is None or (len(m.group(1)) == 1 and base[1:3] in (":\\", ":/")):  # a bare path
         return ParsedURL(url, "file", "", None, base, options)
@@ -192,7 +203,10 @@ def parse_url(url: str) -> ParsedURL:
     try:
         port = parts.port
     except ValueError:
-        raise ConfigError(f"{url}: port: expected a number 0-65535, got {parts.netloc!r}") from None
+        given = parts.netloc.rpartition("@")[2].rpartition(":")[2]
+        raise ConfigError(
+            f"{redact_url(url)}: port: expected a number 0-65535, got {given!r}"
+        ) from None
     host = parts.hostname or ""
     if "*" in parts.netloc:
         host = "*"
@@ -206,7 +220,7 @@ def make_codec(
 ) -> Codec:
     """Build a codec by name (`json`, `msgpack`, or a plug-in's), taking its options."""
     opts = options or Options(name, {})
-    what = "codec" if options is None else f"{options.url}: option codec"
+    what = "codec" if options is None else f"{options.shown}: option codec"
     factory = (registry or Registry.default()).factory("codec", name, what)
     return factory(opts)  # type: ignore[no-any-return]
 
@@ -239,7 +253,7 @@ def open_sink(
         if codecs is not None:
             codec = codecs.setdefault(repr(codec), codec)
         common["codec"] = codec
-    factory = registry.factory("sink", parsed.scheme, url)
+    factory = registry.factory("sink", parsed.scheme, parsed.shown)
     sink: Sink = factory(parsed, opts, common)
     opts.finish()
     return sink
@@ -249,7 +263,7 @@ def open_subscriber(url: str, *, registry: Registry | None = None, **kwargs: Any
     """Build the subscriber a URL describes (`from_seq=`, `follow=` where supported)."""
     parsed = parse_url(url)
     opts = Options(url, parsed.options)
-    factory = (registry or Registry.default()).factory("subscriber", parsed.scheme, url)
+    factory = (registry or Registry.default()).factory("subscriber", parsed.scheme, parsed.shown)
     sub: Subscriber = factory(parsed, opts, kwargs)
     opts.finish()
     return sub

@@ -27,7 +27,7 @@ def file_sink(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink:
     from kvstream.sinks.file import FileSink
 
     if not parsed.path:
-        raise ConfigError(f"{parsed.raw}: expected a file path (file:PATH, or - for stdout)")
+        raise ConfigError(f"{parsed.shown}: expected a file path (file:PATH, or - for stdout)")
     if "codec" not in common and "hash_strings" in opts:
         common["codec"] = json_codec(opts)
     rotation: dict[str, Any] = {
@@ -41,7 +41,7 @@ def file_sink(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink:
     try:
         return FileSink(parsed.path, **rotation, **common)
     except ConfigError as exc:
-        raise ConfigError(f"{parsed.raw}: {exc}") from None
+        raise ConfigError(f"{parsed.shown}: {exc}") from None
 
 
 def memory_sink(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink:
@@ -63,7 +63,7 @@ def socket_sink(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Soc
     )
     from kvstream.sinks.socket._fanout import SLOW_POLICIES
 
-    where = parsed.raw.partition("?")[0]
+    where = parsed.shown.partition("?")[0]
     token = token_from_options(opts, where)
     cert = opts.pop_str("tls_cert")
     key = opts.pop_str("tls_key")
@@ -111,12 +111,12 @@ def zmq_sink(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink:
     from kvstream.sinks.zmq import DEFAULT_REPLAY_HWM, DEFAULT_REPLAY_MAX_BYTES, ZmqSink
     from kvstream.state import DEFAULT_MAX_BYTES
 
-    endpoint = endpoint_from_parts(parsed.scheme, parsed.address, parsed.path, parsed.raw)
+    endpoint = endpoint_from_parts(parsed.scheme, parsed.address, parsed.path, parsed.shown)
     replay = opts.pop_str("replay")
     kwargs: dict[str, Any] = {
         "replay_endpoint": None
         if replay is None
-        else normalize_endpoint(replay, f"{parsed.raw}: replay"),
+        else normalize_endpoint(replay, f"{parsed.shown}: replay"),
         "topic": opts.pop_str("topic", "") or "",
         "model": opts.pop_str("model"),
         "hwm": opts.pop_int("hwm", DEFAULT_HWM, minimum=0),
@@ -128,7 +128,7 @@ def zmq_sink(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink:
     }
     snapshot = opts.pop_str("snapshot")
     if snapshot is not None:
-        kwargs["snapshot_endpoint"] = normalize_endpoint(snapshot, f"{parsed.raw}: snapshot")
+        kwargs["snapshot_endpoint"] = normalize_endpoint(snapshot, f"{parsed.shown}: snapshot")
     kwargs["snapshot_max_bytes"] = opts.pop_size("snapshot_max_bytes", DEFAULT_MAX_BYTES)
     heartbeat = opts.pop_float("heartbeat")
     if heartbeat is not None:
@@ -147,7 +147,9 @@ def nats_sink(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink:
 
     storage = opts.pop_str("storage")
     if storage is not None and storage not in ("file", "memory"):
-        raise ConfigError(f"{parsed.raw}: option storage: expected file or memory, got {storage!r}")
+        raise ConfigError(
+            f"{parsed.shown}: option storage: expected file or memory, got {storage!r}"
+        )
     return NatsSink(
         client_url(parsed.raw, parsed.scheme, 4222),
         snapshot_stream=opts.pop_str("snapshot_stream") or DEFAULT_SNAPSHOT_STREAM,

@@ -49,7 +49,7 @@ def socket_subscriber(parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]) 
     from kvstream._wire.socket_security import client_ssl_context
     from kvstream.consumers.socket import SocketSubscriber
 
-    where = parsed.raw.partition("?")[0]
+    where = parsed.shown.partition("?")[0]
     kwargs.setdefault("codecs", make_codec)  # the one table of names, plug-ins included
     token = token_from_options(opts, where)
     if token is not None:
@@ -107,17 +107,17 @@ def zmq_subscriber(parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]) -> 
     )
     from kvstream.media import MEDIA_POLICIES
 
-    endpoint = endpoint_from_parts(parsed.scheme, parsed.address, parsed.path, parsed.raw)
+    endpoint = endpoint_from_parts(parsed.scheme, parsed.address, parsed.path, parsed.shown)
     replay = opts.pop_str("replay")
     snapshot = opts.pop_str("snapshot")
     bind = opts.pop_bool("bind") if "bind" in opts else None
     origin = opts.pop_str("origin")
-    wanted = check_from_seq(kwargs.pop("from_seq", None), parsed.raw.partition("?")[0])
+    wanted = check_from_seq(kwargs.pop("from_seq", None), parsed.shown.partition("?")[0])
     spec = ZmqPublisher(
         endpoint,
         replay_endpoint=None
         if replay is None
-        else normalize_endpoint(replay, f"{parsed.raw}: replay"),
+        else normalize_endpoint(replay, f"{parsed.shown}: replay"),
         origin=origin,
         topic=opts.pop_str("topic", "") or "",
         from_seq=opts.pop_int("from_seq", start_seq(wanted, origin or default_origin(endpoint))),
@@ -125,7 +125,7 @@ def zmq_subscriber(parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]) -> 
         join=opts.pop_choice("join", JOINS, "start"),  # type: ignore[arg-type]
         snapshot_endpoint=None
         if snapshot is None
-        else normalize_endpoint(snapshot, f"{parsed.raw}: snapshot"),
+        else normalize_endpoint(snapshot, f"{parsed.shown}: snapshot"),
     )
     kwargs.pop("follow", None)  # a live stream is always followed
     codec = None
@@ -178,7 +178,7 @@ def nats_subscriber(parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]) ->
     deliver = opts.pop_str("deliver")
     if deliver is not None and deliver not in DELIVER:
         raise ConfigError(
-            f"{parsed.raw}: option deliver: expected one of {', '.join(DELIVER)}, got {deliver!r}"
+            f"{parsed.shown}: option deliver: expected one of {', '.join(DELIVER)}, got {deliver!r}"
         )
     return NatsSubscriber(
         client_url(parsed.raw, parsed.scheme, 4222),

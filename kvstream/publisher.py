@@ -648,7 +648,9 @@ class EventPublisher:
             )
         loop_name = resolve_event_loop(loop, field="EventPublisher.loop")
         codecs: dict[str, Any] = {}
-        built = [open_sink(s, codecs=codecs) if isinstance(s, str) else s for s in sinks]
+        built = [
+            open_sink(s, codecs=codecs) if isinstance(s, str) else s for s in _sink_list(sinks)
+        ]
         self.scheduler = Scheduler(
             sinks=built,
             origin=origin,
@@ -794,6 +796,37 @@ class EventPublisher:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _sink_list(sinks: object) -> list[Sink | str]:
+    """`EventPublisher`'s `sinks`, checked: a sequence of sinks and sink URLs.
+
+    A lone URL or a mapping is refused rather than iterated (its characters or
+    its keys would each become a file sink in the working directory).
+    """
+    if isinstance(sinks, str | bytes):
+        raise ConfigError(
+            f"EventPublisher.sinks: expected a list of sinks or sink URLs, got the "
+            f"{type(sinks).__name__} {sinks!r:.80} (a single URL goes in a list: [url])"
+        )
+    if isinstance(sinks, Mapping) or hasattr(sinks, "endpoint") or not isinstance(sinks, Iterable):
+        hint = (
+            " (vLLM's --kv-events-config? use EventPublisher.from_kv_events_config(config))"
+            if isinstance(sinks, Mapping) or hasattr(sinks, "endpoint")
+            else ""
+        )
+        raise ConfigError(
+            f"EventPublisher.sinks: expected a list of sinks or sink URLs, "
+            f"got {type(sinks).__name__}{hint}"
+        )
+    out: list[Sink | str] = list(sinks)
+    for i, sink in enumerate(out):
+        if not isinstance(sink, Sink | str):
+            raise ConfigError(
+                f"EventPublisher.sinks[{i}]: expected a Sink or a sink URL, "
+                f"got {type(sink).__name__} {sink!r:.80}"
+            )
+    return out
 
 
 def _as_list(raw: object, batch: object) -> list[Any]:

@@ -309,6 +309,27 @@ def test_a_config_that_turns_publishing_off_is_refused() -> None:
         EventPublisher.from_kv_events_config(42)
 
 
+@pytest.mark.parametrize(
+    ("sinks", "named"),
+    [
+        ({"enable_kv_cache_events": True}, "got dict (vLLM's --kv-events-config? use"),
+        (KVEventsConfig(endpoint="tcp://127.0.0.1:5557"), "from_kv_events_config(config)"),
+        ("file:kv.jsonl", "got the str 'file:kv.jsonl' (a single URL goes in a list: [url])"),
+        (7, "expected a list of sinks or sink URLs, got int"),
+        (["file:kv.jsonl", None], "sinks[1]: expected a Sink or a sink URL, got NoneType None"),
+    ],
+)
+def test_sinks_that_are_not_a_list_of_sinks_are_refused_and_nothing_is_made(
+    sinks: Any, named: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Iterated, a URL's characters or a config's keys each became a file sink here.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as caught:
+        EventPublisher(sinks)
+    assert named in str(caught.value)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_vllms_publisher_arguments_make_one(tmp_path: Path) -> None:
     pub = EventPublisher.zmq(
         data_parallel_rank=2, endpoint=f"ipc://{tmp_path}/e", buffer_steps=5, topic="t"

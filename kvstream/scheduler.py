@@ -202,6 +202,11 @@ class Scheduler(TaskOwner):
         self._events_sealed = 0
         self._failed: list[str] = []
         self._forgotten_accepted = 0
+        if isinstance(sinks, Sink | str | bytes) or not isinstance(sinks, Iterable):
+            raise InvalidEventTypeError(
+                f"sinks: expected a list of sinks, got {type(sinks).__name__} {sinks!r:.80}"
+                + (" (one sink goes in a list: [sink])" if isinstance(sinks, Sink) else "")
+            )
         for sink in sinks:
             self._register_sink(sink)
             self._sinks.append(sink)

@@ -637,6 +637,13 @@ async def test_bad_inputs_are_refused_where_they_enter() -> None:
         await s.add_sink(sink)
         with pytest.raises(ConfigError, match="twice"):
             await s.add_sink(sink)
+    one = MemorySink()
+    with pytest.raises(InvalidEventTypeError, match=r"one sink goes in a list: \[sink\]"):
+        Scheduler(sinks=one)  # type: ignore[arg-type]
+    with pytest.raises(InvalidEventTypeError, match="expected a list of sinks, got str 'file:x'"):
+        Scheduler(sinks="file:x")  # type: ignore[arg-type]
+    with pytest.raises(InvalidEventTypeError, match="expected a list of sinks, got int 3"):
+        Scheduler(sinks=3)  # type: ignore[arg-type]
 
 
 # -- synchronous engines in another thread ---------------------------------------------------------

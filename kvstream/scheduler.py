@@ -33,6 +33,7 @@ from typing import Any, Final, NamedTuple
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
+from kvstream._checks import function, seconds, text
 from kvstream._dispatch import Dispatcher
 from kvstream._threadsafe import ThreadsafeHandle
 from kvstream.errors import ClosedError, ConfigError, InvalidEventTypeError
@@ -164,16 +165,25 @@ class Scheduler(TaskOwner):
             raise ConfigError(
                 f"Scheduler.max_pending_events: expected a positive int, got {max_pending_events!r}"
             )
+        text("Scheduler.epoch", epoch)
+        seconds("Scheduler.tick_interval", tick_interval)
+        if ticker is not None and not isinstance(ticker, AsyncIterable):
+            raise ConfigError(
+                f"Scheduler.ticker: expected an async iterable (one tick per item), "
+                f"got {ticker!r:.80}"
+            )
         TaskOwner.__init__(self)
         self.origin: str = origin or socket.gethostname()
         self.epoch: str = epoch if epoch is not None else secrets.token_hex(8)
         self.data_parallel_rank = data_parallel_rank
-        self._clock = clock
+        self._clock = function("Scheduler.clock", clock)
         self._ticker: AsyncIterable[Any] | None = (
             every(tick_interval) if tick_interval is not None else ticker
         )
         self._max_pending = max_pending_events
-        self.close_timeout = close_timeout
+        self.close_timeout = seconds(
+            "Scheduler.close_timeout", close_timeout, zero=True, infinite=True
+        )
         self._sinks: list[Sink] = []
         #: One encoding per distinct codec, shared by the sinks using it.
         self._encodings = EncodingGroup()

@@ -432,8 +432,8 @@ async def test_tick_interval_runs_a_periodic_ticker() -> None:
 @pytest.mark.parametrize(
     ("options", "named"),
     [
-        ({"tick_interval": 0}, "tick interval"),
-        ({"tick_interval": float("nan")}, "tick interval"),
+        ({"tick_interval": 0}, "Scheduler.tick_interval: expected seconds > 0, got 0"),
+        ({"tick_interval": float("nan")}, "Scheduler.tick_interval: expected seconds > 0, got nan"),
         ({"tick_interval": 1.0, "ticker": object()}, "not both"),
         ({"origin": ""}, "origin"),
         ({"data_parallel_rank": -1}, "data_parallel_rank"),

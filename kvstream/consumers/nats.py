@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, Unpack
 import anyio
 import orjson
 
+from kvstream._checks import seconds, text
 from kvstream._wire import nats_client
 from kvstream._wire.broker import (
     DEFAULT_SNAPSHOT_STREAM,
@@ -105,7 +106,12 @@ class NatsSubscriber(BrokerSubscriber["Client"]):
         **options: Unpack[ReaderOptions],
     ) -> None:
         nats_client.require_nats()
-        shown = shown_url(url)
+        shown = shown_url(text("NatsSubscriber.url", url))
+        text(f"{shown}: subject", subject)
+        text(f"{shown}: stream", stream)
+        text(f"{shown}: durable", durable)
+        text(f"{shown}: snapshot_stream", snapshot_stream)
+        seconds(f"{shown}: ack_wait", ack_wait)
         subject = check_subject(subject or DEFAULT_SUBJECT_FILTER, wildcards=True, where=shown)
         super().__init__(url, shown, **options)
         if deliver is None:
@@ -123,10 +129,7 @@ class NatsSubscriber(BrokerSubscriber["Client"]):
             raise ConfigError(
                 f"{self.shown}: fetch_batch: expected an int >= 1, got {fetch_batch!r}"
             )
-        if not poll_interval > 0:
-            raise ConfigError(
-                f"{self.shown}: poll_interval: expected seconds > 0, got {poll_interval!r}"
-            )
+        seconds(f"{self.shown}: poll_interval", poll_interval)
         if self._snapshots_wanted is None:
             self._snapshots_wanted = self.from_seq is None and durable is None
         elif self._snapshots_wanted and durable is not None:

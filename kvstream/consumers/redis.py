@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 import anyio
 
+from kvstream import _checks as checks
 from kvstream._wire import redis_client
 from kvstream._wire.broker import (
     DEFAULT_REDIS_STREAM,
@@ -102,15 +103,21 @@ class RedisSubscriber(BrokerSubscriber["Redis"]):
         **options: Unpack[ReaderOptions],
     ) -> None:
         redis_client.require_redis()
-        shown = shown_url(url)
-        if not stream:
-            raise ConfigError(f"{shown}: stream: expected a key name, got {stream!r}")
-        if group is not None and not group:
-            raise ConfigError(f"{shown}: group: expected a name, got {group!r}")
+        shown = shown_url(checks.text("RedisSubscriber.url", url))
+        if type(stream) is not str or not stream:
+            raise ConfigError(f"{shown}: stream: expected a key name, got {stream!r:.80}")
+        if group is not None and (type(group) is not str or not group):
+            raise ConfigError(f"{shown}: group: expected a name, got {group!r:.80}")
+        checks.text(f"{shown}: consumer", consumer)
+        if start is not None and type(start) is not str:
+            raise ConfigError(
+                f"{shown}: start: expected 0, $ or an entry id like 1700000000000-0, "
+                f"got {start!r:.80}"
+            )
         if type(count) is not int or count < 1:
             raise ConfigError(f"{shown}: count: expected an int >= 1, got {count!r}")
-        if not block > 0:
-            raise ConfigError(f"{shown}: block: expected seconds > 0, got {block!r}")
+        checks.seconds(f"{shown}: block", block)
+        checks.count(f"{shown}: db", db, minimum=0)
         super().__init__(url, shown, **options)
         if self._snapshots_wanted is None:
             self._snapshots_wanted = self.from_seq is None and group is None

@@ -37,6 +37,7 @@ from anyio.streams.tls import TLSStream
 
 from kvstream._backoff import Backoff
 from kvstream._burst_log import BurstLog
+from kvstream._checks import flag, function, seconds, text
 from kvstream._wire.codec_names import CodecByName, builtin_codec
 from kvstream._wire.from_seq import ANY_ORIGIN, FromSeq, check_from_seq, start_seq
 from kvstream._wire.socket_protocol import (
@@ -185,13 +186,24 @@ class SocketSubscriber(Subscriber):
         if port is not None and (type(port) is not int or not 0 < port <= 65535):
             raise ConfigError(f"SocketSubscriber.port: expected an int in 1..65535, got {port!r}")
         check_from_seq(from_seq, "SocketSubscriber")
-        for what, value in (
-            ("retry_initial", retry_initial),
-            ("retry_max", retry_max),
-            ("connect_timeout", connect_timeout),
-        ):
-            if not (isinstance(value, int | float) and value > 0):
-                raise ConfigError(f"SocketSubscriber.{what}: expected seconds > 0, got {value!r}")
+        seconds("SocketSubscriber.retry_initial", retry_initial)
+        seconds("SocketSubscriber.retry_max", retry_max)
+        seconds("SocketSubscriber.connect_timeout", connect_timeout, infinite=True)
+        if host is not None and type(host) is not str:
+            raise ConfigError(f"SocketSubscriber.host: expected a str, got {host!r:.80}")
+        if token is not None and type(token) is not str:
+            raise ConfigError("SocketSubscriber.token: expected a str")  # never its value
+        text("SocketSubscriber.tls_hostname", tls_hostname)
+        if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
+            raise ConfigError(
+                f"SocketSubscriber.ssl_context: expected an ssl.SSLContext, got {ssl_context!r:.80}"
+            )
+        flag("SocketSubscriber.reconnect", reconnect)
+        if snapshots is not None:
+            flag("SocketSubscriber.snapshots", snapshots)
+        flag("SocketSubscriber.heartbeats", heartbeats)
+        function("SocketSubscriber.on_liveness", on_liveness)
+        function("SocketSubscriber.codecs", codecs)
         self.path = os.fspath(path) if path is not None else None
         self.host = host or "127.0.0.1"
         self.port = port

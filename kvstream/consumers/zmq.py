@@ -65,6 +65,7 @@ import anyio
 import msgspec
 
 from kvstream._burst_log import BurstLog
+from kvstream._checks import count, flag, function, seconds
 from kvstream._wire.broker import Heartbeat
 from kvstream._wire.vllm_zmq import (
     DEFAULT_HWM,
@@ -929,14 +930,26 @@ class ZmqSubscriber(Subscriber):
         heartbeats: bool = False,
         on_liveness: Callable[[LivenessChange], object] | None = None,
     ) -> None:
-        specs = [publishers] if isinstance(publishers, ZmqPublisher) else list(publishers)
+        given: object = publishers
+        specs: list[Any] = (
+            [given]
+            if isinstance(given, ZmqPublisher)
+            else list(given)
+            if isinstance(given, list | tuple)
+            else [given]
+        )
+        bad = next((s for s in specs if not isinstance(s, ZmqPublisher)), None)
+        if bad is not None:
+            raise ConfigError(
+                f"ZmqSubscriber.publishers: expected a ZmqPublisher or a list of them, "
+                f"got {bad!r:.80}"
+            )
         if not specs:
             raise ConfigError("ZmqSubscriber: expected at least one publisher")
         origins = [s.origin_name for s in specs]
         if len(set(origins)) != len(origins):
             raise ConfigError(f"ZmqSubscriber: origins must differ, got {origins!r}")
-        if not (replay_timeout > 0 and math.isfinite(replay_timeout)):
-            raise ConfigError(f"replay_timeout: expected seconds > 0, got {replay_timeout!r}")
+        seconds("ZmqSubscriber.replay_timeout", replay_timeout)
         for key, value in (("max_reorder", max_reorder), ("max_reorder_bytes", max_reorder_bytes)):
             if type(value) is not int or value < 1:
                 raise ConfigError(f"{key}: expected an int >= 1, got {value!r}")
@@ -944,10 +957,15 @@ class ZmqSubscriber(Subscriber):
             raise ConfigError(
                 f"max_message_bytes: expected an int >= 1024, got {max_message_bytes!r}"
             )
+        if codec is not None and not isinstance(codec, MsgpackCodec):
+            raise ConfigError(f"ZmqSubscriber.codec: expected a MsgpackCodec, got {codec!r:.80}")
+        count("ZmqSubscriber.hwm", hwm, minimum=0)
+        flag("ZmqSubscriber.heartbeats", heartbeats)
+        function("ZmqSubscriber.on_liveness", on_liveness)
         self.codec = codec or MsgpackCodec()
         self.hwm = hwm
         self.max_message_bytes = max_message_bytes
-        self.poll_interval = poll_interval
+        self.poll_interval = seconds("ZmqSubscriber.poll_interval", poll_interval)
 
         def factory(spec: ZmqPublisher) -> Any:
             def make(origin: str, topic: bytes, exact: bool) -> PublisherStream:

@@ -327,13 +327,19 @@ class PrefixIndex:
         self.tier_weights: dict[str, float] = _checked_weights(
             DEFAULT_TIER_WEIGHTS if tier_weights is None else tier_weights, "tier_weights"
         )
-        if type(default_weight) not in (int, float) or default_weight < 0:
+        if type(default_weight) not in (int, float) or not 0 <= default_weight < math.inf:
             raise ConfigError(
                 f"PrefixIndex.default_weight: expected a number >= 0, got {default_weight!r}"
             )
         self.default_weight = float(default_weight)
         self.ttl = None if ttl is None else float(ttl)
         self.max_blocks = max_blocks
+        if not callable(clock):
+            raise ConfigError(f"PrefixIndex.clock: expected a callable, got {clock!r:.80}")
+        if type(lookup_table) is not bool:
+            raise ConfigError(
+                f"PrefixIndex.lookup_table: expected True or False, got {lookup_table!r:.80}"
+            )
         self._clock = clock
         self._next_expiry = clock() + (self.ttl or 0.0)
         #: (slot << 60 | engine key) -> None, least recently stored first (max_blocks only)

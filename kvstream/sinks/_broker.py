@@ -14,6 +14,7 @@ from typing import Any
 
 from anyio.abc import TaskGroup
 
+from kvstream._checks import count, seconds
 from kvstream._wire.broker import (
     Heartbeat,
     Heartbeats,
@@ -21,7 +22,6 @@ from kvstream._wire.broker import (
     SnapshotInfo,
     snapshot_envelope,
 )
-from kvstream.errors import ConfigError
 from kvstream.events import EventBatch
 from kvstream.sinks.base import Sink
 from kvstream.state import DEFAULT_MAX_BYTES, Snapshot
@@ -53,6 +53,10 @@ class BrokerSink(Sink):
         **options: Any,
     ) -> None:
         super().__init__(**options)
+        seconds(f"{self.shown}: heartbeat", heartbeat)
+        seconds(f"{self.shown}: snapshot_interval", snapshot_interval)
+        count(f"{self.shown}: snapshot_every", snapshot_every)
+        count(f"{self.shown}: snapshot_max_bytes", snapshot_max_bytes)
         #: The state kept for snapshots (None: snapshots are off).
         self.snapshots: SinkSnapshots | None = None
         if snapshot_every is not None or snapshot_interval is not None:
@@ -63,8 +67,6 @@ class BrokerSink(Sink):
                 max_bytes=snapshot_max_bytes,
                 clock=time.monotonic,
             )
-        if heartbeat is not None and not heartbeat > 0:
-            raise ConfigError(f"{self.shown}: heartbeat: expected seconds > 0, got {heartbeat!r}")
         self.heartbeat = heartbeat
         self._heartbeats = (
             Heartbeats(heartbeat, self.shown, self._beat, clock=time.monotonic)

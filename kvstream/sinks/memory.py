@@ -8,6 +8,7 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from kvstream._checks import seconds
 from kvstream.events import EventBatch
 from kvstream.sinks.base import Sink
 
@@ -25,7 +26,7 @@ class MemorySink(Sink):
         options.setdefault("codec", None)
         super().__init__(**options)
         self.batches: list[EventBatch] = []
-        self.delay = delay
+        self.delay = seconds("MemorySink.delay", delay, zero=True)
 
     async def write(self, data: bytes, batch: EventBatch) -> None:
         if self.delay:

@@ -37,6 +37,7 @@ import anyio.abc
 import anyio.lowlevel
 import orjson
 
+from kvstream._checks import count, flag, seconds, text
 from kvstream._wire import nats_client
 from kvstream._wire.broker import (
     DEFAULT_NATS_STREAM,
@@ -106,8 +107,16 @@ class NatsSink(BrokerSink):
         **options: Any,
     ) -> None:
         self._nats = nats_client.require_nats()  # a missing extra fails here, not at the first send
-        self.url = url
+        self.url = text("NatsSink.url", url)
         self.shown = shown_url(url)
+        text(f"{self.shown}: subject", subject)
+        text(f"{self.shown}: stream", stream)
+        flag(f"{self.shown}: create", create)
+        seconds(f"{self.shown}: max_age", max_age)
+        count(f"{self.shown}: max_msgs", max_msgs)
+        seconds(f"{self.shown}: duplicate_window", duplicate_window)
+        seconds(f"{self.shown}: ack_timeout", ack_timeout)
+        seconds(f"{self.shown}: connect_timeout", connect_timeout)
         if subject is not None:
             check_subject(subject, wildcards=False, where=self.shown)
         if storage not in (None, "file", "memory"):
@@ -150,7 +159,11 @@ class NatsSink(BrokerSink):
         self.duplicates = 0
         #: Batches refused because their message exceeds the size limit.
         self.oversized = 0
-        if not snapshot_stream or any(c in snapshot_stream for c in " .*>"):
+        if (
+            type(snapshot_stream) is not str
+            or not snapshot_stream
+            or any(c in snapshot_stream for c in " .*>")
+        ):
             raise ConfigError(
                 f"{self.shown}: snapshot_stream: expected a stream name without spaces, "
                 f"dots, * or >, got {snapshot_stream!r}"

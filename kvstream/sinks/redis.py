@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.lowlevel
 
+from kvstream._checks import count, seconds, text
 from kvstream._wire import redis_client
 from kvstream._wire.broker import (
     DEFAULT_REDIS_STREAM,
@@ -103,10 +104,13 @@ class RedisSink(BrokerSink):
         **options: Any,
     ) -> None:
         redis_client.require_redis()  # a missing extra fails here, not at the first send
-        self.url = url
+        self.url = text("RedisSink.url", url)
         self.shown = shown_url(url)
-        if not stream:
-            raise ConfigError(f"{self.shown}: stream: expected a key name, got {stream!r}")
+        count(f"{self.shown}: db", db, minimum=0)
+        seconds(f"{self.shown}: connect_timeout", connect_timeout)
+        count(f"{self.shown}: dedup_scan", dedup_scan)
+        if type(stream) is not str or not stream:
+            raise ConfigError(f"{self.shown}: stream: expected a key name, got {stream!r:.80}")
         if maxlen is not None and (type(maxlen) is not int or maxlen < 1):
             raise ConfigError(f"{self.shown}: maxlen: expected an int >= 1, got {maxlen!r}")
         options.setdefault("codec", JsonCodec())

@@ -65,6 +65,7 @@ from anyio.abc import SocketAttribute, TaskGroup
 from anyio.streams.tls import TLSStream
 
 from kvstream._burst_log import BurstLog
+from kvstream._checks import function, seconds
 from kvstream._wire.broker import Heartbeat, Heartbeats
 from kvstream._wire.socket_protocol import (
     MAX_HELLO_BYTES,
@@ -199,10 +200,7 @@ class SocketSink(Sink):
     ) -> None:
         if (path is None) == (port is None):
             raise ConfigError("SocketSink: give port (TCP) or path (Unix socket), exactly one")
-        if heartbeat is not None and not (
-            isinstance(heartbeat, int | float) and 0 < heartbeat < float("inf")
-        ):
-            raise ConfigError(f"SocketSink.heartbeat: expected seconds > 0, got {heartbeat!r}")
+        seconds("SocketSink.heartbeat", heartbeat)
         if path is not None and host is not None:
             raise ConfigError("SocketSink: host is for TCP; a Unix socket takes only path")
         if port is not None and (type(port) is not int or not 0 <= port <= 65535):
@@ -228,14 +226,17 @@ class SocketSink(Sink):
             raise ConfigError(
                 f"SocketSink.max_pending_hellos: expected an int >= 1, got {max_pending_hellos!r}"
             )
-        for what, value in (
-            ("hello_timeout", hello_timeout),
-            ("snapshot_timeout", snapshot_timeout),
-        ):
-            if not (isinstance(value, int | float) and value > 0):
-                raise ConfigError(f"SocketSink.{what}: expected seconds > 0, got {value!r}")
+        seconds("SocketSink.hello_timeout", hello_timeout, infinite=True)
+        seconds("SocketSink.snapshot_timeout", snapshot_timeout, infinite=True)
         if token is not None and (type(token) is not str or not token):
             raise ConfigError("SocketSink.token: expected a non-empty string")
+        if host is not None and type(host) is not str:
+            raise ConfigError(f"SocketSink.host: expected a str, got {host!r:.80}")
+        if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
+            raise ConfigError(
+                f"SocketSink.ssl_context: expected an ssl.SSLContext, got {ssl_context!r:.80}"
+            )
+        function("SocketSink.snapshot_provider", snapshot_provider)
         self.path = os.fspath(path) if path is not None else None
         self.host = None if self.path is not None else (host or "127.0.0.1")
         if self.host is not None and self.host != "*" and not self.host.strip():

@@ -244,12 +244,24 @@ class ZmqSink(Sink):
                 f"got {replay_layout!r}"
             )
         for key, seconds in (("replay_timeout", replay_timeout), ("linger", linger)):
-            if not (isinstance(seconds, int | float) and seconds >= 0 and math.isfinite(seconds)):
+            if not (
+                isinstance(seconds, int | float)
+                and not isinstance(seconds, bool)
+                and seconds >= 0
+                and math.isfinite(seconds)
+            ):
                 raise ConfigError(f"ZmqSink: {key}: expected seconds >= 0, got {seconds!r}")
         if heartbeat is not None and not (
-            isinstance(heartbeat, int | float) and heartbeat > 0 and math.isfinite(heartbeat)
+            isinstance(heartbeat, int | float)
+            and not isinstance(heartbeat, bool)
+            and heartbeat > 0
+            and math.isfinite(heartbeat)
         ):
             raise ConfigError(f"ZmqSink: heartbeat: expected seconds > 0, got {heartbeat!r}")
+        if bind is not None and type(bind) is not bool:
+            raise ConfigError(f"ZmqSink: bind: expected True, False or None, got {bind!r:.80}")
+        if context is not None and not isinstance(context, zmq.Context):
+            raise ConfigError(f"ZmqSink: context: expected a zmq.Context, got {context!r:.80}")
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic

@@ -10,7 +10,7 @@ import sys
 import tempfile
 from array import array
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import anyio
@@ -1214,22 +1214,27 @@ def _one_batch_file(origin: str = "engine-0", blocks: int = 3) -> str:
     return path
 
 
+def _matches_once(port: int, ready: Callable[[list[Any]], bool]) -> list[Any]:
+    """`POST /match` of `T` until the answer's matches are `ready` (30 s at most)."""
+
+    async def query() -> list[Any]:
+        with anyio.fail_after(30):
+            while True:
+                status, _, body = await _http(port, _post(orjson.dumps({"token_ids": T})))
+                assert status == 200
+                if ready(body["matches"]):
+                    return body["matches"]  # type: ignore[no-any-return]
+                await anyio.sleep(0.05)
+
+    return anyio.run(query)
+
+
 def test_cli_index_follows_a_file_and_answers_queries() -> None:
     path = _one_batch_file()
     codec = JsonCodec()
     proc, port = _start_cli_index(path)
     try:
-
-        async def query() -> list[Any]:
-            with anyio.fail_after(30):
-                while True:
-                    status, _, body = await _http(port, _post(orjson.dumps({"token_ids": T})))
-                    assert status == 200
-                    if body["matches"]:
-                        return body["matches"]  # type: ignore[no-any-return]
-                    await anyio.sleep(0.05)
-
-        assert anyio.run(query) == [
+        assert _matches_once(port, bool) == [
             {
                 "origin": "engine-0",
                 "data_parallel_rank": None,
@@ -1249,15 +1254,7 @@ def test_cli_index_follows_a_file_and_answers_queries() -> None:
                 + b"\n"
             )
 
-        async def wait_for_two() -> None:
-            with anyio.fail_after(30):
-                while True:
-                    _, _, body = await _http(port, _post(orjson.dumps({"token_ids": T})))
-                    if body["matches"][0]["blocks"] == 2:
-                        return
-                    await anyio.sleep(0.05)
-
-        anyio.run(wait_for_two)
+        _matches_once(port, lambda matches: matches[0]["blocks"] == 2)
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=30)
@@ -1268,17 +1265,7 @@ def test_cli_index_follows_several_streams_into_one_index() -> None:
     streams = [_one_batch_file("engine-0", 3), _one_batch_file("engine-1", 2)]
     proc, port = _start_cli_index(streams)
     try:
-
-        async def query() -> list[Any]:
-            with anyio.fail_after(30):
-                while True:
-                    status, _, body = await _http(port, _post(orjson.dumps({"token_ids": T})))
-                    assert status == 200
-                    if len(body["matches"]) == 2:
-                        return body["matches"]  # type: ignore[no-any-return]
-                    await anyio.sleep(0.05)
-
-        matches = anyio.run(query)
+        matches = _matches_once(port, lambda matches: len(matches) == 2)
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=30)

@@ -637,6 +637,10 @@ async def test_bad_inputs_are_refused_where_they_enter() -> None:
         await s.add_sink(sink)
         with pytest.raises(ConfigError, match="twice"):
             await s.add_sink(sink)
+    busy = MemorySink()
+    async with Scheduler(sinks=[busy]):
+        with pytest.raises(ClosedError, match=r"already running .* a sink serves one scheduler"):
+            Scheduler(sinks=[busy])
     one = MemorySink()
     with pytest.raises(InvalidEventTypeError, match=r"one sink goes in a list: \[sink\]"):
         Scheduler(sinks=one)  # type: ignore[arg-type]

@@ -328,7 +328,10 @@ class Sink(TaskOwner, ABC):
         Only before the sink is entered, and only for an encoding of an equal codec.
         """
         if self._state is not _NEW:
-            raise ClosedError(f"{self.name}: use_encoding: the sink is already running")
+            raise ClosedError(
+                f"{self.name}: the sink is already running (entered on its own, or by "
+                "another scheduler); a sink serves one scheduler, from before it starts"
+            )
         if encoding.codec != self.codec:
             raise ConfigError(
                 f"{self.name}: use_encoding: expected an encoding of {self.codec!r}, "

@@ -1429,3 +1429,34 @@ def test_a_store_with_skipped_blocks_is_counted_never_chained_to_the_wrong_token
     assert index.statistics().skipped_blocks == 2
     feed(_stored([1, 2, 3, 4], T[:16]))
     assert head(index.match(T)) == [PrefixMatch("a", 4, "GPU")]
+
+
+# -- bad queries, in process ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("populated", [False, True])
+@pytest.mark.parametrize(
+    ("query", "named"),
+    [
+        (lambda i: i.match(T, lora_name=5), "lora_name: expected a str or None, got 5"),
+        (lambda i: i.match(T, extra_keys="x"), "extra_keys: expected a list with one entry"),
+        (lambda i: i.match(T, extra_keys=[None, 3]), "extra_keys: expected a list with one"),
+        (lambda i: i.match(T, include_stale="no"), "include_stale: expected True or False"),
+        (lambda i: i.match_bytes("abcd"), "token bytes: expected bytes (uint32 little-endian)"),
+        (lambda i: i.match_bytes(b"abcd", lora_name=1), "lora_name: expected a str or None"),
+        (lambda i: i.match_engine_hashes("abc"), "block_hashes: expected a list of engine"),
+        (lambda i: i.match_engine_hashes([1, None]), "expected engine hashes (int or bytes)"),
+        (lambda i: i.match_engine_hashes([1], origin=5), "origin: expected a str or None"),
+        (lambda i: i.apply({"seq": 0}), "PrefixIndex.apply: expected an EventBatch or a Gap"),
+    ],
+)
+def test_a_bad_query_is_refused_whatever_the_index_holds(
+    query: Callable[[PrefixIndex], object], named: str, populated: bool
+) -> None:
+    # A wrong option used to give [] (or be read as true) without a word.
+    index = PrefixIndex(block_size=B)
+    if populated:
+        Feed(index, "engine-0")(_stored([1, 2], T[: 2 * B]))
+    with pytest.raises(ConfigError) as caught:
+        query(index)
+    assert named in str(caught.value)

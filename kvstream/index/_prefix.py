@@ -36,7 +36,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from itertools import repeat
 from types import EllipsisType, MappingProxyType
-from typing import Any, Final, NamedTuple, cast
+from typing import Any, Final, NamedTuple, NoReturn, cast
 
 from kvstream._burst_log import BurstLogs
 from kvstream.consumers.base import Continuity, Gap, continuity
@@ -430,6 +430,12 @@ class PrefixIndex:
         if isinstance(item, Gap):
             self._apply_gap(item, item.origin if origin is None else origin, now)
             return
+        if not isinstance(item, EventBatch):
+            raise ConfigError(
+                f"PrefixIndex.apply: expected an EventBatch or a Gap, got {item!r:.80}"
+            )
+        if origin is not None and type(origin) is not str:
+            raise ConfigError(f"PrefixIndex.apply: origin: expected a str, got {origin!r:.80}")
         name = item.origin if origin is None else origin
         key = (name, item.data_parallel_rank)
         state = self._streams.get(key)
@@ -1543,6 +1549,11 @@ class PrefixIndex:
         overrides the index's for this query. Best first: highest score, then
         most blocks, fresh before stale, the faster tier, then by origin and rank.
         """
+        odd_lora = lora_name is not None and type(lora_name) is not str
+        if odd_lora or type(include_stale) is not bool:
+            _bad_query(lora_name, include_stale)
+        if extra_keys is not None:
+            _check_extra_keys(extra_keys)
         n = len(token_ids) // self._hasher.block_size
         if not n:
             return []
@@ -1561,6 +1572,15 @@ class PrefixIndex:
         tier_weights: Mapping[str, float] | None = None,
     ) -> list[PrefixMatch]:
         """`match()` for tokens given as uint32 little-endian bytes (the fast path)."""
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise ConfigError(
+                f"token bytes: expected bytes (uint32 little-endian), got {type(data).__name__}"
+            )
+        odd_lora = lora_name is not None and type(lora_name) is not str
+        if odd_lora or type(include_stale) is not bool:
+            _bad_query(lora_name, include_stale)
+        if extra_keys is not None:
+            _check_extra_keys(extra_keys)
         if len(data) % 4:
             raise ConfigError(
                 f"token bytes: expected a multiple of 4 (uint32 little-endian), got {len(data)}"
@@ -1592,6 +1612,20 @@ class PrefixIndex:
         sharing a hash seed give a block the same hash). A hash no stream knows
         ends the prompt there.
         """
+        if isinstance(block_hashes, str | bytes) or not isinstance(block_hashes, Sequence):
+            raise ConfigError(
+                f"block_hashes: expected a list of engine hashes (int or bytes), "
+                f"got {block_hashes!r:.80}"
+            )
+        for h in block_hashes:
+            if type(h) is not int and type(h) is not bytes:
+                raise ConfigError(
+                    f"block_hashes: expected engine hashes (int or bytes), got {h!r:.80}"
+                )
+        if origin is not None and type(origin) is not str:
+            raise ConfigError(f"origin: expected a str or None, got {origin!r:.80}")
+        if type(include_stale) is not bool:
+            _bad_query(None, include_stale)
         keys = _fold_all(list(block_hashes))
         if origin is not None:
             state = self._streams.get((origin, data_parallel_rank))
@@ -1928,3 +1962,21 @@ def _checked_weights(weights: Mapping[str, float], what: str) -> dict[str, float
             )
         out[name] = float(w)
     return out
+
+
+def _bad_query(lora_name: object, include_stale: object) -> NoReturn:
+    """Raise for the query option that is wrong (the caller checked that one is)."""
+    if lora_name is not None and type(lora_name) is not str:
+        raise ConfigError(f"lora_name: expected a str or None, got {lora_name!r:.80}")
+    raise ConfigError(f"include_stale: expected True or False, got {include_stale!r:.80}")
+
+
+def _check_extra_keys(extra_keys: object) -> None:
+    """`extra_keys` of a query: a list with one entry per block, each a list or None."""
+    if not isinstance(extra_keys, list | tuple) or any(
+        e is not None and not isinstance(e, list | tuple) for e in extra_keys
+    ):
+        raise ConfigError(
+            f"extra_keys: expected a list with one entry per block (a list or None), "
+            f"got {extra_keys!r:.80}"
+        )

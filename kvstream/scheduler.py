@@ -420,6 +420,7 @@ class Scheduler(TaskOwner):
         """
         if self._closed:
             raise ClosedError("add_source: the scheduler is closed")
+        text("add_source: name", name)
         candidate: object = source
         adapted: AsyncSource | PolledConnector
         if isinstance(candidate, PolledConnector | AsyncIterable):
@@ -547,7 +548,7 @@ class Scheduler(TaskOwner):
         `< next_seq`, so a snapshot of the host's state taken in the callback
         precedes `next_seq`. Keep callbacks short: they run on the host's tick.
         """
-        self._at_barrier.append(callback)
+        self._at_barrier.append(function("call_at_barrier: callback", callback))
 
     def _run_barrier_callbacks(self) -> None:
         callbacks, self._at_barrier = self._at_barrier, []

@@ -637,6 +637,13 @@ async def test_bad_inputs_are_refused_where_they_enter() -> None:
         await s.add_sink(sink)
         with pytest.raises(ConfigError, match="twice"):
             await s.add_sink(sink)
+    async with Scheduler(origin="o") as s:
+        with pytest.raises(ConfigError, match="call_at_barrier: callback: expected a callable"):
+            s.call_at_barrier(5)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="add_source: name: expected a non-empty str"):
+            s.add_source(_never_yields(), name=5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"MemorySink\.name: expected a str, got 5"):
+        MemorySink(name=5)
     busy = MemorySink()
     async with Scheduler(sinks=[busy]):
         with pytest.raises(ClosedError, match=r"already running .* a sink serves one scheduler"):
@@ -694,3 +701,8 @@ def test_run_in_thread_serves_a_synchronous_engine() -> None:
         kv.emit(ev(999))  # not ticked: sealed when the scheduler closes
     assert [b.seq for b in sink.batches] == list(range(11))
     assert sink.batches[-1].events == evs(999)
+
+
+async def _never_yields() -> AsyncIterator[KVCacheEvent]:
+    await anyio.sleep_forever()
+    yield ev(0)

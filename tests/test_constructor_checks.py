@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from kvstream import FileSink, MemorySink, PrefixIndex, Scheduler
+from kvstream.config import open_sink
 from kvstream.consumers.file import FileSubscriber
 from kvstream.consumers.nats import NatsSubscriber
 from kvstream.consumers.redis import RedisSubscriber
@@ -52,7 +53,7 @@ CASES: list[tuple[Callable[..., Any], dict[str, Any], str]] = [
     (NatsSink, {"url": 5}, "NatsSink.url: expected a non-empty str, got 5"),
     (NatsSink, {"stream": 5}, "stream: expected a non-empty str, got 5"),
     (NatsSink, {"create": "false"}, "create: expected True or False, got 'false'"),
-    (NatsSink, {"max_age": "1d"}, "max_age: expected seconds > 0, got '1d'"),
+    (NatsSink, {"max_age": "1d"}, "max_age: expected seconds >= 0, got '1d'"),
     (NatsSink, {"max_msgs": 0}, "max_msgs: expected an int >= 1, got 0"),
     (NatsSink, {"ack_timeout": -1}, "ack_timeout: expected seconds > 0, got -1"),
     (NatsSink, {"snapshot_stream": 5}, "snapshot_stream: expected a stream name"),
@@ -108,5 +109,6 @@ def test_the_defaults_and_the_usual_values_are_taken() -> None:
     SocketSubscriber(port=1, host="", snapshots=False, connect_timeout=math.inf)
     ZmqSubscriber([PUB], hwm=0, heartbeats=True, on_liveness=print)
     NatsSink(create=True, max_age=60, max_msgs=10, duplicate_window=120, heartbeat=1)
+    open_sink("nats://127.0.0.1:4222/kv?max_age=0&duplicate_window=0")  # NATS's own 0s
     RedisSink(db=0, dedup_scan=1)
     RedisSubscriber(start="0", db=1, block=0.5)

@@ -112,9 +112,10 @@ class NatsSink(BrokerSink):
         text(f"{self.shown}: subject", subject)
         text(f"{self.shown}: stream", stream)
         flag(f"{self.shown}: create", create)
-        seconds(f"{self.shown}: max_age", max_age)
+        # 0 is NATS's own "no limit" / "the server's default": passed on as given.
+        seconds(f"{self.shown}: max_age", max_age, zero=True)
         count(f"{self.shown}: max_msgs", max_msgs)
-        seconds(f"{self.shown}: duplicate_window", duplicate_window)
+        seconds(f"{self.shown}: duplicate_window", duplicate_window, zero=True)
         seconds(f"{self.shown}: ack_timeout", ack_timeout)
         seconds(f"{self.shown}: connect_timeout", connect_timeout)
         if subject is not None:

@@ -61,7 +61,7 @@ examples:
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "index",
-        help="follow a stream into a prefix index; answer /match and /stats over HTTP",
+        help="follow streams into one prefix index; answer /match and /stats over HTTP",
         description=__doc__,
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,

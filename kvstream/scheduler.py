@@ -150,6 +150,11 @@ class Scheduler(TaskOwner):
         max_pending_events: int = 65_536,
         close_timeout: float = 5.0,
     ) -> None:
+        if isinstance(sinks, Sink | str | bytes) or not isinstance(sinks, Iterable):
+            raise InvalidEventTypeError(
+                f"sinks: expected a list of sinks, got {type(sinks).__name__} {sinks!r:.80}"
+                + (" (one sink goes in a list: [sink])" if isinstance(sinks, Sink) else "")
+            )
         if tick_interval is not None and ticker is not None:
             raise ConfigError("Scheduler: give tick_interval or ticker, not both")
         if origin is not None and (type(origin) is not str or not origin):
@@ -212,11 +217,6 @@ class Scheduler(TaskOwner):
         self._events_sealed = 0
         self._failed: list[str] = []
         self._forgotten_accepted = 0
-        if isinstance(sinks, Sink | str | bytes) or not isinstance(sinks, Iterable):
-            raise InvalidEventTypeError(
-                f"sinks: expected a list of sinks, got {type(sinks).__name__} {sinks!r:.80}"
-                + (" (one sink goes in a list: [sink])" if isinstance(sinks, Sink) else "")
-            )
         for sink in sinks:
             self._register_sink(sink)
             self._sinks.append(sink)

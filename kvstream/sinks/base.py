@@ -166,9 +166,9 @@ class Sink(TaskOwner, ABC):
             )
         self.codec: Codec | None = codec
         self.policy: OverflowPolicy = policy
-        TaskOwner.__init__(self)
         if name is not None and type(name) is not str:
             raise ConfigError(f"{type(self).__name__}.name: expected a str, got {name!r:.80}")
+        TaskOwner.__init__(self)
         self.name = name or type(self).__name__
         self.close_timeout = close_timeout
         self._backoff = Backoff(retry_initial, retry_max, where=f"{self.name}: retry")

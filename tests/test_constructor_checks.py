@@ -38,6 +38,7 @@ CASES: list[tuple[Callable[..., Any], dict[str, Any], str]] = [
     (MemorySink, {"delay": -1}, "MemorySink.delay: expected seconds >= 0, got -1"),
     (FileSink, {"path": 3}, "FileSink.path: expected a str or a path, got 3"),
     (FileSink, {"path": "x", "clock": "now"}, "FileSink.clock: expected a callable, got 'now'"),
+    (FileSink, {"path": "x", "rotate_seconds": True}, "rotate_seconds: expected seconds > 0"),
     (PrefixIndex, {"block_size": 16, "default_weight": math.nan}, "default_weight"),
     (PrefixIndex, {"block_size": 16, "lookup_table": "no"}, "lookup_table: expected True or"),
     (PrefixIndex, {"block_size": 16, "clock": 1}, "PrefixIndex.clock: expected a callable"),

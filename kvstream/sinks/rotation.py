@@ -54,6 +54,7 @@ class RotationPolicy:
             raise ConfigError(f"rotate_bytes: expected a positive size, got {self.max_bytes!r}")
         if self.max_seconds is not None and (
             not isinstance(self.max_seconds, int | float)
+            or isinstance(self.max_seconds, bool)
             or not math.isfinite(self.max_seconds)
             or self.max_seconds <= 0
         ):

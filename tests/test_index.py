@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -1290,6 +1291,52 @@ def test_cli_index_follows_several_streams_into_one_index() -> None:
     )
     assert same.returncode == 2
     assert "origin='engine-0' given to" in same.stderr.decode()
+
+
+def test_cli_index_serves_on_when_one_of_its_streams_fails() -> None:
+    streams = [_one_batch_file("engine-0", 3), _one_batch_file("engine-1", 2)]
+    proc, port = _start_cli_index(streams)
+    lines: list[str] = []  # its stderr, read as it comes
+    stderr = proc.stderr
+    assert stderr is not None
+    reader = threading.Thread(
+        target=lambda: lines.extend(line.decode() for line in iter(stderr.readline, b"")),
+        daemon=True,
+    )
+    reader.start()
+
+    async def until(said: str) -> None:
+        with anyio.fail_after(30):
+            # Lines come from a thread: polled, there is no event to wait on.
+            while not any(said in line for line in lines):  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+
+    try:
+        _matches_once(port, lambda matches: len(matches) == 2)
+        # The first stream's path becomes unreadable: that stream fails, the rest goes on.
+        os.rename(streams[0], streams[0] + ".old")
+        os.mkdir(streams[0])
+        anyio.run(until, f"the stream {streams[0]} failed: cannot read")
+        assert proc.poll() is None, "the index stopped with one stream left"
+        # Still answering, from both streams' blocks (the failed one's too).
+        assert [m["origin"] for m in _matches_once(port, bool)] == ["engine-0", "engine-1"]
+        # The second fails too: nothing is left to follow, and the command says so.
+        os.rename(streams[1], streams[1] + ".old")
+        os.mkdir(streams[1])
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=30)
+        reader.join(timeout=30)
+        for pipe in (proc.stdout, stderr):
+            if pipe is not None:
+                pipe.close()
+    text = "".join(lines)
+    assert proc.returncode == 1, text
+    assert "still serving, 1 stream(s) followed" in text
+    assert f"failed: {streams[0]}, {streams[1]}" in text
+    assert "Traceback" not in text
 
 
 _STATS = b"GET /stats HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"

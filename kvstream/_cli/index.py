@@ -34,7 +34,7 @@ from kvstream._cli.longrun import add_metrics_option, metrics_token, open_metric
 from kvstream._wire.socket_security import read_token
 from kvstream.config import open_subscriber, parse_url, redact_url
 from kvstream.consumers.base import Gap, Subscriber
-from kvstream.errors import ConfigError
+from kvstream.errors import ConfigError, KVStreamError
 from kvstream.index._demo import RoutingResult, compare_routing
 from kvstream.index._http import QueryServer
 from kvstream.index._prefix import PrefixIndex
@@ -192,6 +192,8 @@ async def run(args: argparse.Namespace) -> int:
         )
     subscribers = [_subscriber(url) for url in args.url]
     stopped_by: str | None = None
+    #: Streams whose subscriber failed: the others are still served; all failed ends it.
+    failed: list[str] = []
     async with (
         open_metrics(args.metrics, command="index", token=metrics_token(args)) as metrics,
         AsyncExitStack() as stack,
@@ -235,6 +237,19 @@ async def run(args: argparse.Namespace) -> int:
                             file=sys.stderr,
                         )
                     index.apply(item)
+            except KVStreamError as exc:
+                # One stream's fault stays its own: the others are still followed, and
+                # what the index holds is still served, until every stream has failed.
+                failed.append(redact_url(url))
+                left = len(subscribers) - len(failed)
+                print(
+                    f"kvstream index: the stream {redact_url(url)} failed: {exc}; "
+                    + (f"still serving, {left} stream(s) followed" if left else "stopping"),
+                    file=sys.stderr,
+                )
+                if not left:
+                    tg.cancel_scope.cancel()
+                return
             finally:
                 aclose = getattr(iterator, "aclose", None)
                 if aclose is not None:
@@ -290,10 +305,11 @@ async def run(args: argparse.Namespace) -> int:
         print(f"kvstream index: stopped by {stopped_by}", file=sys.stderr)
     print(
         f"kvstream index: {stats.batches:,} batches, {stats.distinct_blocks:,} blocks "
-        f"over {len(stats.origins)} origin(s); {server.requests:,} queries served",
+        f"over {len(stats.origins)} origin(s); {server.requests:,} queries served"
+        + (f"; failed: {', '.join(failed)}" if failed else ""),
         file=sys.stderr,
     )
-    return 0
+    return 1 if failed and len(failed) == len(subscribers) else 0
 
 
 def _subscriber(url: str) -> Subscriber:

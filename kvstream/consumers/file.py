@@ -92,6 +92,8 @@ class FileSubscriber(Subscriber):
                             rotated = os.stat(self.path).st_ino != inode
                         except FileNotFoundError:
                             rotated = False
+                        except OSError as exc:
+                            raise TransportError(f"cannot read {self.path}: {exc}") from exc
                         if not rotated:
                             continue
                         # Replaced: first read what the old file got before that.
@@ -102,6 +104,9 @@ class FileSubscriber(Subscriber):
                             new = await anyio.open_file(following or self.path, "rb")
                         except FileNotFoundError:  # between two names: try again later
                             continue
+                        except OSError as exc:  # a directory, no permission, ...
+                            name = following or self.path
+                            raise TransportError(f"cannot read {name}: {exc}") from exc
                         await f.aclose()
                         f = new
                         inode = os.fstat(f.wrapped.fileno()).st_ino

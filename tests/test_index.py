@@ -1318,8 +1318,9 @@ def test_cli_index_serves_on_when_one_of_its_streams_fails() -> None:
         os.mkdir(streams[0])
         anyio.run(until, f"the stream {streams[0]} failed: cannot read")
         assert proc.poll() is None, "the index stopped with one stream left"
-        # Still answering, from both streams' blocks (the failed one's too).
-        assert [m["origin"] for m in _matches_once(port, bool)] == ["engine-0", "engine-1"]
+        # Still answering, from both streams' blocks, the failed one's as stale hints.
+        answer = [(m["origin"], m["stale"]) for m in _matches_once(port, bool)]
+        assert answer == [("engine-0", True), ("engine-1", False)]  # by score, then freshness
         # The second fails too: nothing is left to follow, and the command says so.
         os.rename(streams[1], streams[1] + ".old")
         os.mkdir(streams[1])

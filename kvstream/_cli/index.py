@@ -35,6 +35,7 @@ from kvstream._wire.socket_security import read_token
 from kvstream.config import open_subscriber, parse_url, redact_url
 from kvstream.consumers.base import Gap, Subscriber
 from kvstream.errors import ConfigError, KVStreamError
+from kvstream.events import EventBatch
 from kvstream.index._demo import RoutingResult, compare_routing
 from kvstream.index._http import QueryServer
 from kvstream.index._prefix import PrefixIndex
@@ -228,8 +229,11 @@ async def run(args: argparse.Namespace) -> int:
 
         async def follow(subscriber: Subscriber, url: str) -> None:
             iterator = aiter(subscriber)
+            fed: set[tuple[str, int | None]] = set()  # the streams this URL carried
             try:
                 async for item in iterator:
+                    if isinstance(item, EventBatch):
+                        fed.add((item.origin, item.data_parallel_rank))
                     if isinstance(item, Gap):
                         print(
                             f"kvstream index: {item.origin}: batches {item.first_missing}.."
@@ -241,6 +245,9 @@ async def run(args: argparse.Namespace) -> int:
                 # One stream's fault stays its own: the others are still followed, and
                 # what the index holds is still served, until every stream has failed.
                 failed.append(redact_url(url))
+                # What it fed is as of its last batch: answers from it are hints now.
+                for origin, rank in fed:
+                    index.mark_stale(origin, f"its stream {redact_url(url)} failed", rank)
                 left = len(subscribers) - len(failed)
                 print(
                     f"kvstream index: the stream {redact_url(url)} failed: {exc}; "

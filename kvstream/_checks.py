@@ -10,12 +10,13 @@ field, the value and what was expected. A bool is not taken for a number.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
 from kvstream.errors import ConfigError
 
-__all__ = ["count", "flag", "function", "seconds", "text"]
+__all__ = ["count", "flag", "function", "path", "seconds", "text"]
 
 T = TypeVar("T")
 
@@ -79,6 +80,13 @@ def text(where: str, value: str | None) -> str | None:
     if type(value) is not str or not value:
         raise ConfigError(f"{where}: expected a non-empty str, got {value!r:.80}")
     return value
+
+
+def path(where: str, value: str | os.PathLike[str]) -> str:
+    """A file path (a str or an `os.PathLike`), as a str."""
+    if not isinstance(value, str | os.PathLike):
+        raise ConfigError(f"{where}: expected a str or a path, got {value!r:.80}")
+    return os.fspath(value)
 
 
 def function(where: str, value: Callable[..., T] | None) -> Any:

@@ -10,6 +10,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import anyio
 
 from kvstream._checks import flag, seconds
+from kvstream._checks import path as checked_path
 from kvstream._wire.from_seq import FromSeq, check_from_seq, start_seq
 from kvstream.codecs.json import JsonCodec
 from kvstream.consumers.base import Continuity, Gap, SequenceTracker, Subscriber, SubscriberItem
@@ -43,11 +44,9 @@ class FileSubscriber(Subscriber):
         poll_interval: float = 0.1,
         codec: JsonCodec | None = None,
     ) -> None:
-        if not isinstance(path, str | os.PathLike):
-            raise ConfigError(f"FileSubscriber.path: expected a str or a path, got {path!r:.80}")
         if codec is not None and not isinstance(codec, JsonCodec):
             raise ConfigError(f"FileSubscriber.codec: expected a JsonCodec, got {codec!r:.80}")
-        self.path = os.fspath(path)
+        self.path = checked_path("FileSubscriber.path", path)
         self.follow = flag("FileSubscriber.follow", follow)
         self.from_seq = check_from_seq(from_seq, "FileSubscriber")
         self.poll_interval = seconds("FileSubscriber.poll_interval", poll_interval)

@@ -39,6 +39,7 @@ from types import EllipsisType, MappingProxyType
 from typing import Any, Final, NamedTuple, NoReturn, cast
 
 from kvstream._burst_log import BurstLogs
+from kvstream._checks import flag, function
 from kvstream.consumers.base import Continuity, Gap, continuity
 from kvstream.errors import ConfigError
 from kvstream.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
@@ -334,12 +335,8 @@ class PrefixIndex:
         self.default_weight = float(default_weight)
         self.ttl = None if ttl is None else float(ttl)
         self.max_blocks = max_blocks
-        if not callable(clock):
-            raise ConfigError(f"PrefixIndex.clock: expected a callable, got {clock!r:.80}")
-        if type(lookup_table) is not bool:
-            raise ConfigError(
-                f"PrefixIndex.lookup_table: expected True or False, got {lookup_table!r:.80}"
-            )
+        function("PrefixIndex.clock", clock)
+        flag("PrefixIndex.lookup_table", lookup_table)
         self._clock = clock
         self._next_expiry = clock() + (self.ttl or 0.0)
         #: (slot << 60 | engine key) -> None, least recently stored first (max_blocks only)
@@ -1617,16 +1614,18 @@ class PrefixIndex:
                 f"block_hashes: expected a list of engine hashes (int or bytes), "
                 f"got {block_hashes!r:.80}"
             )
-        for h in block_hashes:
-            if type(h) is not int and type(h) is not bytes:
-                raise ConfigError(
-                    f"block_hashes: expected engine hashes (int or bytes), got {h!r:.80}"
-                )
         if origin is not None and type(origin) is not str:
             raise ConfigError(f"origin: expected a str or None, got {origin!r:.80}")
         if type(include_stale) is not bool:
             _bad_query(None, include_stale)
-        keys = _fold_all(list(block_hashes))
+        try:
+            keys = _fold_all(list(block_hashes))
+        except TypeError:  # found only now, not with a pass of its own over every hash
+            odd = (h for h in block_hashes if type(h) is not int and type(h) is not bytes)
+            bad = next(odd, block_hashes)
+            raise ConfigError(
+                f"block_hashes: expected engine hashes (int or bytes), got {bad!r:.80}"
+            ) from None
         if origin is not None:
             state = self._streams.get((origin, data_parallel_rank))
             maps = [state.blocks] if state is not None else []

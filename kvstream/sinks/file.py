@@ -42,6 +42,7 @@ from typing import IO, Any, Final
 import anyio
 
 from kvstream._checks import function
+from kvstream._checks import path as checked_path
 from kvstream.codecs.json import JsonCodec
 from kvstream.errors import ConfigError, TransportError
 from kvstream.events import EventBatch
@@ -88,8 +89,7 @@ class FileSink(Sink):
     ) -> None:
         if type(inline) is not bool:
             raise ConfigError(f"FileSink: inline: expected a bool, got {inline!r}")
-        if not isinstance(path, str | os.PathLike):
-            raise ConfigError(f"FileSink.path: expected a str or a path, got {path!r:.80}")
+        checked_path("FileSink.path", path)
         function("FileSink.clock", clock)
         timings = (("inline_budget", inline_budget), ("inline_cooldown", inline_cooldown))
         for field, value in timings:

@@ -278,6 +278,57 @@ async def test_a_token_is_required_on_every_request() -> None:
         assert server.statistics().unauthorized == 2
 
 
+async def test_expect_100_continue_is_answered_before_the_body_is_sent() -> None:
+    """A client that sends `Expect: 100-continue` waits for the go-ahead (curl waits a
+    second, then sends anyway): it gets `100 Continue` at once, or the refusal."""
+    head = b"POST /p HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nExpect: 100-continue\r\n"
+    async with (
+        HttpServer(_echo, port=0, token="s3cret", limits=HttpLimits(body_bytes=100)) as server,
+    ):
+        async with await anyio.connect_tcp("127.0.0.1", server.port) as stream:
+            await stream.send(head + b"Authorization: Bearer s3cret\r\n\r\n")
+            with anyio.fail_after(0.5):  # well inside curl's own wait of one second
+                interim = await stream.receive()
+            assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+            await stream.send(b"hello")
+            assert await _read_response(stream) == (200, b"POST /p 5")
+            # The connection goes on: the next request is read as usual.
+            await stream.send(_get("/next", "Authorization: Bearer s3cret\r\n"))
+            assert await _read_response(stream) == (200, b"GET /next 0")
+        # Refusals come before the body, not after a wait.
+        async with await anyio.connect_tcp("127.0.0.1", server.port) as stream:
+            await stream.send(head + b"\r\n")  # no token
+            with anyio.fail_after(0.5):
+                assert (await _read_response(stream))[0] == 401
+        too_big = head.replace(b"Content-Length: 5", b"Content-Length: 500")
+        async with await anyio.connect_tcp("127.0.0.1", server.port) as stream:
+            await stream.send(too_big + b"Authorization: Bearer s3cret\r\n\r\n")
+            with anyio.fail_after(0.5):
+                assert (await _read_response(stream))[0] == 413
+        assert server.statistics().unauthorized == 1
+        assert server.statistics().too_large == 1
+
+
+@pytest.mark.parametrize("coding", ["gzip", "br", "deflate, gzip"])
+async def test_an_encoded_body_is_refused_with_415_not_read_as_plain(coding: str) -> None:
+    async with HttpServer(_echo, port=0) as server:
+        raw = (
+            f"POST /p HTTP/1.1\r\nHost: t\r\nContent-Encoding: {coding}\r\n"
+            "Content-Length: 3\r\n\r\nabc"
+        ).encode()
+        async with await anyio.connect_tcp("127.0.0.1", server.port) as stream:
+            await stream.send(raw)
+            status, body = await _read_response(stream)
+            assert status == 415
+            assert coding.encode() in body
+            # The body was read whole: the connection serves the next request.
+            await stream.send(_get("/after"))
+            assert await _read_response(stream) == (200, b"GET /after 0")
+        raw = raw.replace(coding.encode(), b"identity")
+        assert await _exchange(server.port, raw) == (200, b"POST /p 3")
+        assert server.statistics().errors == 1
+
+
 async def test_lifetime_and_configuration_errors() -> None:
     server = HttpServer(_echo, port=0)
     async with server:

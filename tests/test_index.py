@@ -1103,6 +1103,32 @@ async def test_http_endpoint_over_a_real_socket(no_leaked_tasks: None) -> None:
         assert status == 404
         status, headers, _ = await _http(port, b"GET /match HTTP/1.1\r\nHost: x\r\n\r\n")
         assert (status, headers["Allow"]) == (405, "POST")
+        status, headers, _ = await _http(port, _post(b"{}", "/stats"))
+        assert (status, headers["Allow"]) == (405, "GET, HEAD")
+        # HEAD where GET goes: the head of the answer, without its body.
+        async with await anyio.connect_tcp("127.0.0.1", port) as stream:
+            await stream.send(b"HEAD /stats HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            head = b""
+            with anyio.fail_after(10):
+                while True:
+                    try:
+                        head += await stream.receive()
+                    except anyio.EndOfStream:
+                        break
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n"), head
+        assert head.endswith(b"\r\n\r\n")
+        assert b"Content-Length: " in head
+        # A JSON body carries its own options: a query string is refused, not ignored.
+        status, _, body = await _http(
+            port, _post(orjson.dumps({"token_ids": T}), "/match?lora_name=x")
+        )
+        assert status == 400
+        assert "'lora_name=x'" in body["error"], body
+        status, _, body = await _http(
+            port, b"PRI * HTTP/2.0\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        assert status == 505
+        assert "HTTP/2.0" in body["error"], body
         status, _, _ = await _http(port, b"NONSENSE\r\n\r\n")
         assert status == 400
         # A chunked body is read like any other (h11 decodes it), within the same bound.

@@ -25,6 +25,10 @@ kvstream documents and enforces:
 * **keep-alive**: a connection waits `idle_timeout` seconds for its next request.
 * **authorization**: with a token, every request needs `Authorization: Bearer`
   (compared in constant time); `401` otherwise.
+* **`Expect: 100-continue`**: the server answers `100 Continue` at once (or its
+  refusal, `401` or `413`, before the body is sent), so such clients do not wait.
+* **bodies are taken as sent**: a `Content-Encoding` other than `identity` is
+  answered `415` (nothing is decompressed).
 * **accept failures** (too many open files): counted, logged once per burst, and
   retried with backoff; the listener keeps serving.
 
@@ -90,6 +94,7 @@ _REASONS: Final = {
     500: b"Internal Server Error",
     501: b"Not Implemented",
     503: b"Service Unavailable",
+    505: b"HTTP Version Not Supported",
 }
 
 
@@ -480,12 +485,28 @@ class HttpServer(TaskOwner):
             return None
         if not isinstance(event, h11.Request):
             raise _Refusal(400, "expected a request")
+        if not event.http_version.startswith(b"1."):
+            version = event.http_version.decode("ascii", "replace")
+            raise _Refusal(505, f"HTTP/{version} is not supported; this endpoint speaks HTTP/1.1")
         headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in event.headers}
         length = headers.get("content-length")
         if length is not None and int(length) > limits.body_bytes:
             self._too_large += 1
             raise _Refusal(
                 413, f"request body of {length} bytes exceeds the limit of {limits.body_bytes}"
+            )
+        if h11_conn.they_are_waiting_for_100_continue:
+            # The client sends its body only once told to (or after a wait of its
+            # own, a second for curl): a refusal is due now, before the body, and
+            # otherwise the go-ahead.
+            if not bearer_authorized(headers.get("authorization"), self._token):
+                self._unauthorized += 1
+                raise _Refusal(401, "missing or wrong bearer token")
+            conn.write(
+                h11_conn.send(
+                    h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
+                )
+                or b""
             )
         body_deadline = self._now() + limits.body_timeout
         parts: list[bytes] = []
@@ -541,6 +562,12 @@ class HttpServer(TaskOwner):
 
     async def _respond(self, request: Request) -> Response:
         self._requests += 1
+        coding = request.headers.get("content-encoding")
+        if coding is not None and coding.strip().lower() != "identity":
+            self._errors += 1
+            return self._error_format(
+                415, f"Content-Encoding: {coding!r} is not supported; send the body unencoded"
+            )
         try:
             response = await self.handler(request)
             _check_response(response)

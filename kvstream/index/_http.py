@@ -155,12 +155,21 @@ class QueryServer(TaskOwner):
         method = _ROUTES.get(path)
         if method is None:
             raise _HttpError(404, f"no route {path!r}; expected POST /match or GET /stats")
-        if request.method != method:
-            raise _HttpError(405, f"{path} takes {method}, got {request.method}", allow=method)
+        if request.method != method and not (method == "GET" and request.method == "HEAD"):
+            allow = "GET, HEAD" if method == "GET" else method
+            raise _HttpError(405, f"{path} takes {method}, got {request.method}", allow=allow)
         if path == "/stats":
             return 200, self._stats()
         content_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-        return 200, self._match(request.body, content_type, query)
+        if content_type == "application/octet-stream":
+            return 200, self._match_binary(request.body, query)
+        if query:
+            raise _HttpError(
+                400,
+                f"query string {query!r}: a JSON body carries the options (query parameters "
+                "are for a binary body)",
+            )
+        return 200, self._match(request.body)
 
     def _stats(self) -> Any:
         stats = self.index.statistics()
@@ -169,9 +178,7 @@ class QueryServer(TaskOwner):
         out["http"] = {"requests": self.requests, "errors": self.errors}
         return out
 
-    def _match(self, body: bytes, content_type: str, query_string: str) -> Any:
-        if content_type == "application/octet-stream":
-            return self._match_binary(body, query_string)
+    def _match(self, body: bytes) -> Any:
         try:
             query = orjson.loads(body)
         except orjson.JSONDecodeError as exc:

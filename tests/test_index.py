@@ -19,6 +19,7 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from servers import RedisServer, free_port, redis_servers
 
 import kvstream
 from kvstream import PrefixIndex, PrefixMatch
@@ -36,6 +37,9 @@ from kvstream.index._hashing import BlockHasher
 from kvstream.index._http import QueryServer
 from kvstream.index._prefix import DEFAULT_TIER_WEIGHTS, TIER_PREFERENCE
 from kvstream.sim import Request, SimulatedEngine, Workload
+from kvstream.sinks.redis import RedisSink
+
+__all__ = ["redis_servers"]  # a fixture, imported for pytest
 
 B = 4  # block size of the hand-built tests
 
@@ -1319,10 +1323,12 @@ def test_cli_index_follows_several_streams_into_one_index() -> None:
     assert "origin='engine-0' given to" in same.stderr.decode()
 
 
-def test_cli_index_serves_on_when_one_of_its_streams_fails() -> None:
-    streams = [_one_batch_file("engine-0", 3), _one_batch_file("engine-1", 2)]
-    proc, port = _start_cli_index(streams)
-    lines: list[str] = []  # its stderr, read as it comes
+def _read_stderr(
+    proc: subprocess.Popen[bytes],
+) -> tuple[list[str], threading.Thread, Callable[[str], None]]:
+    """The lines `proc` writes to stderr (read by a thread as they come), the thread,
+    and a function that waits (30 s at most) until a line says something."""
+    lines: list[str] = []
     stderr = proc.stderr
     assert stderr is not None
     reader = threading.Thread(
@@ -1331,18 +1337,26 @@ def test_cli_index_serves_on_when_one_of_its_streams_fails() -> None:
     )
     reader.start()
 
-    async def until(said: str) -> None:
+    async def wait_for(said: str) -> None:
         with anyio.fail_after(30):
             # Lines come from a thread: polled, there is no event to wait on.
             while not any(said in line for line in lines):  # noqa: ASYNC110
                 await anyio.sleep(0.05)
 
+    return lines, reader, lambda said: anyio.run(wait_for, said)
+
+
+def test_cli_index_serves_on_when_one_of_its_streams_fails() -> None:
+    streams = [_one_batch_file("engine-0", 3), _one_batch_file("engine-1", 2)]
+    proc, port = _start_cli_index(streams)
+    lines, reader, until = _read_stderr(proc)
+    stderr = proc.stderr
     try:
         _matches_once(port, lambda matches: len(matches) == 2)
         # The first stream's path becomes unreadable: that stream fails, the rest goes on.
         os.rename(streams[0], streams[0] + ".old")
         os.mkdir(streams[0])
-        anyio.run(until, f"the stream {streams[0]} failed: cannot read")
+        until(f"the stream {streams[0]} failed: cannot read")
         assert proc.poll() is None, "the index stopped with one stream left"
         # Still answering, from both streams' blocks, the failed one's as stale hints.
         answer = [(m["origin"], m["stale"]) for m in _matches_once(port, bool)]
@@ -1364,6 +1378,52 @@ def test_cli_index_serves_on_when_one_of_its_streams_fails() -> None:
     assert "still serving, 1 stream(s) followed" in text
     assert f"failed: {streams[0]}, {streams[1]}" in text
     assert "Traceback" not in text
+
+
+@pytest.mark.server
+def test_cli_index_waits_for_a_server_not_up_yet(
+    redis_servers: Callable[..., RedisServer],
+) -> None:
+    """A router may start before its broker: the index serves what it has and tries the
+    stream again with backoff, then follows it from the start it was given."""
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/kv?start=0"
+    local = _one_batch_file("engine-0", 3)
+    proc, http_port = _start_cli_index([local, url])
+    lines, reader, until = _read_stderr(proc)
+    try:
+        until(f"cannot reach redis://127.0.0.1:{port}")
+        assert proc.poll() is None, "the index stopped for a server not up yet"
+        assert [m["origin"] for m in _matches_once(http_port, bool)] == ["engine-0"]
+        server = redis_servers(port=port, appendonly=False)
+
+        async def publish() -> None:
+            async with RedisSink(server.url, stream="kv") as sink:
+                sink.offer(_batch(0, [_stored([1, 2], T[: 2 * B])], origin="engine-1"))
+
+        anyio.run(publish)
+        until(f"following redis://127.0.0.1:{port}/kv")
+        matches = _matches_once(http_port, lambda matches: len(matches) == 2)
+        assert [(m["origin"], m["blocks"]) for m in matches] == [("engine-0", 3), ("engine-1", 2)]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        reader.join(timeout=30)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+    text = "".join(lines)
+    assert proc.returncode == 0, text
+    assert "trying again in" in text
+    assert "Traceback" not in text
+    # A bad option is not a server down: it stops at once.
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvstream", "index", f"redis://127.0.0.1:{port}/kv?count=x"],
+        capture_output=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2
+    assert "count" in bad.stderr.decode()
 
 
 _STATS = b"GET /stats HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"

@@ -5,7 +5,10 @@ file, followed as it grows; ZMQ, NATS, Redis, ...), all into one
 [`PrefixIndex`][kvstream.index._prefix.PrefixIndex], and serves `POST /match` and
 `GET /stats` on 127.0.0.1. One URL per engine is the usual fleet (each ZMQ
 publisher is its own origin, named by `origin=` or its endpoint). It runs until
-Ctrl-C or SIGTERM, and keeps answering from what it has if a stream ends.
+Ctrl-C or SIGTERM, and keeps answering from what it has if a stream ends. A
+stream whose server cannot be reached at start (a broker not up yet) is tried
+again with backoff, up to every 30 s, while the index serves; a bad option
+stops it at once.
 
 With `--state FILE` the index is loaded from FILE at start (when it exists),
 saved every `--save-interval` seconds and on shutdown (written to a temporary
@@ -30,11 +33,12 @@ from typing import Any
 
 import anyio
 
+from kvstream._backoff import Backoff
 from kvstream._cli.longrun import add_metrics_option, metrics_token, open_metrics
 from kvstream._wire.socket_security import read_token
 from kvstream.config import open_subscriber, parse_url, redact_url
 from kvstream.consumers.base import Gap, Subscriber
-from kvstream.errors import ConfigError, KVStreamError
+from kvstream.errors import ConfigError, KVStreamError, TransportError
 from kvstream.events import EventBatch
 from kvstream.index._demo import RoutingResult, compare_routing
 from kvstream.index._http import QueryServer
@@ -191,8 +195,9 @@ async def run(args: argparse.Namespace) -> int:
             f"{len(stats.origins)} stream(s)",
             file=sys.stderr,
         )
-    subscribers = [_subscriber(url) for url in args.url]
     stopped_by: str | None = None
+    #: The subscriber following each URL, once its server was reached.
+    followed: dict[str, Subscriber] = {}
     #: Streams whose subscriber failed: the others are still served; all failed ends it.
     failed: list[str] = []
     async with (
@@ -208,14 +213,22 @@ async def run(args: argparse.Namespace) -> int:
         ) as server,
         anyio.create_task_group() as tg,
     ):
-        for subscriber in subscribers:
-            await stack.enter_async_context(subscriber)
+        unreached: dict[str, TransportError] = {}
+        for url in args.url:
+            subscriber = _subscriber(url)
+            try:
+                await stack.enter_async_context(subscriber)
+            except TransportError as exc:  # a server not up yet; a bad option still stops
+                unreached[url] = exc
+                continue
+            followed[url] = subscriber
         if metrics is not None:
             metrics.collector.add(index, kind="index")
         print(
-            f"kvstream index: following {', '.join(map(redact_url, args.url))}; "
-            f"serving {server.url}/ "
-            "(POST /match, GET /stats)",
+            "kvstream index: "
+            + (f"following {', '.join(map(redact_url, followed))}; " if followed else "")
+            + (f"waiting for {', '.join(map(redact_url, unreached))}; " if unreached else "")
+            + f"serving {server.url}/ (POST /match, GET /stats)",
             flush=True,
         )
 
@@ -226,6 +239,48 @@ async def run(args: argparse.Namespace) -> int:
                     stopped_by = signal.Signals(signum).name
                     tg.cancel_scope.cancel()
                     return
+
+        async def reach(url: str, error: TransportError) -> None:
+            """Connect to a stream whose server could not be reached at start, trying
+            again with backoff (a router may start before its brokers), then follow it."""
+            backoff = Backoff(1.0, 30.0, jitter=0.2, where="kvstream index")
+            while True:
+                delay = backoff.next_delay()
+                print(
+                    f"kvstream index: {error}; trying again in {delay:.1f} s",
+                    file=sys.stderr,
+                )
+                await anyio.sleep(delay)
+                subscriber = _subscriber(url)
+                async with AsyncExitStack() as own:
+                    try:
+                        await own.enter_async_context(subscriber)
+                    except TransportError as exc:
+                        error = exc
+                        continue
+                    except KVStreamError as exc:  # reached, but refused: it fails
+                        _failed(url, exc, set())
+                        return
+                    followed[url] = subscriber
+                    print(f"kvstream index: following {redact_url(url)}", file=sys.stderr)
+                    await follow(subscriber, url)
+                    return
+
+        def _failed(url: str, exc: KVStreamError, fed: set[tuple[str, int | None]]) -> None:
+            # One stream's fault stays its own: the others are still followed, and
+            # what the index holds is still served, until every stream has failed.
+            failed.append(redact_url(url))
+            # What it fed is as of its last batch: answers from it are hints now.
+            for origin, rank in fed:
+                index.mark_stale(origin, f"its stream {redact_url(url)} failed", rank)
+            left = len(args.url) - len(failed)
+            print(
+                f"kvstream index: the stream {redact_url(url)} failed: {exc}; "
+                + (f"still serving, {left} stream(s) followed" if left else "stopping"),
+                file=sys.stderr,
+            )
+            if not left:
+                tg.cancel_scope.cancel()
 
         async def follow(subscriber: Subscriber, url: str) -> None:
             iterator = aiter(subscriber)
@@ -242,20 +297,7 @@ async def run(args: argparse.Namespace) -> int:
                         )
                     index.apply(item)
             except KVStreamError as exc:
-                # One stream's fault stays its own: the others are still followed, and
-                # what the index holds is still served, until every stream has failed.
-                failed.append(redact_url(url))
-                # What it fed is as of its last batch: answers from it are hints now.
-                for origin, rank in fed:
-                    index.mark_stale(origin, f"its stream {redact_url(url)} failed", rank)
-                left = len(subscribers) - len(failed)
-                print(
-                    f"kvstream index: the stream {redact_url(url)} failed: {exc}; "
-                    + (f"still serving, {left} stream(s) followed" if left else "stopping"),
-                    file=sys.stderr,
-                )
-                if not left:
-                    tg.cancel_scope.cancel()
+                _failed(url, exc, fed)
                 return
             finally:
                 aclose = getattr(iterator, "aclose", None)
@@ -270,16 +312,14 @@ async def run(args: argparse.Namespace) -> int:
         async def keep_alive() -> None:
             """Publishers heard from (their heartbeats, with `?heartbeats=true`) keep
             their streams alive under --ttl while idle; one gone stops, and expires."""
-            sources = [
-                liveness
-                for liveness in (getattr(sub, "liveness", None) for sub in subscribers)
-                if liveness is not None
-            ]
-            if not sources or args.ttl is None:
+            if args.ttl is None:
                 return
             while True:
                 await anyio.sleep(min(args.ttl / 4, 1.0))
-                for liveness in sources:
+                for subscriber in list(followed.values()):  # those reached so far
+                    liveness = getattr(subscriber, "liveness", None)
+                    if liveness is None:
+                        continue
                     for origin, heard in liveness().items():
                         if heard.alive and heard.interval is not None:
                             index.heartbeat(origin, ...)
@@ -295,8 +335,10 @@ async def run(args: argparse.Namespace) -> int:
                     print(f"kvstream index: {exc}; will retry", file=sys.stderr)
 
         tg.start_soon(watch_signals)
-        for subscriber, url in zip(subscribers, args.url, strict=True):
+        for url, subscriber in followed.items():
             tg.start_soon(follow, subscriber, url)
+        for url, error in unreached.items():
+            tg.start_soon(reach, url, error)
         tg.start_soon(keep_alive)
         if state_path is not None:
             tg.start_soon(save_periodically)
@@ -308,15 +350,18 @@ async def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     stats = index.statistics()
+    never = [url for url in args.url if url not in followed and redact_url(url) not in failed]
     if stopped_by:
         print(f"kvstream index: stopped by {stopped_by}", file=sys.stderr)
     print(
         f"kvstream index: {stats.batches:,} batches, {stats.distinct_blocks:,} blocks "
         f"over {len(stats.origins)} origin(s); {server.requests:,} queries served"
-        + (f"; failed: {', '.join(failed)}" if failed else ""),
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+        + (f"; never reached: {', '.join(map(redact_url, never))}" if never else ""),
         file=sys.stderr,
     )
-    return 1 if failed and len(failed) == len(subscribers) else 0
+    # Status 1 when no stream is left that was followed or may still be reached.
+    return 1 if failed and len(failed) == len(args.url) else 0
 
 
 def _subscriber(url: str) -> Subscriber:

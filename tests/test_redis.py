@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import anyio
 import pytest
@@ -171,7 +172,7 @@ async def test_lost_reply_is_not_written_twice(
 
 @SERVER
 async def test_restart_mid_stream_loses_nothing_and_another_process_reads_in_order(
-    redis_server: RedisServer,
+    redis_server: RedisServer, raw: Any
 ) -> None:
     total = 120
     sink = RedisSink(redis_server.url, stream="kv:restart", retry_max=0.5)
@@ -199,11 +200,16 @@ async def test_restart_mid_stream_loses_nothing_and_another_process_reads_in_ord
                     await sched.tick()
                     if i == 40:
                         await wait_until(lambda: sink.statistics().batches_out >= 30)
+                        before = (await raw.info("server"))["run_id"]
                         await redis_server.arestart(down_for=0.3)
                     await anyio.sleep(0.002)
             report = await sched.aclose()
     assert report.complete
-    assert sink.statistics().send_errors >= 1  # the restart was noticed
+    # A new server process took the rest of the batches. The sink need not have seen
+    # an error: redis-py's pool (7.4 and 8.2, not 8.1) checks a connection before each
+    # command and reconnects one the server closed while it was idle, before anything
+    # is sent. What matters holds either way: nothing lost, nothing repeated, in order.
+    assert (await raw.info("server"))["run_id"] != before
     assert seqs(live) == list(range(total))
     assert sub.read_errors >= 1  # the subscriber lived through the restart too
 

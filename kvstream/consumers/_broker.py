@@ -50,6 +50,7 @@ import anyio
 import anyio.lowlevel
 
 from kvstream._backoff import Backoff
+from kvstream._one_reader import OneReader
 from kvstream._wire.broker import Heartbeat, PayloadDecoder, SnapshotInfo, read_envelope
 from kvstream._wire.codec_names import CodecByName
 from kvstream._wire.from_seq import FromSeq, check_from_seq, start_seq
@@ -281,7 +282,7 @@ class BrokerSubscriber(Subscriber, Generic[ClientT]):
             raise ClosedError(f"{self!r}: the subscriber is closed")
         if self._gen is None:
             self._gen = self._read()
-        return self._gen
+        return OneReader(self._gen, repr(self), type(self).__name__)
 
     def _stopping(self) -> bool:
         return self._closed  # a call, so that type checkers do not assume it unchanged

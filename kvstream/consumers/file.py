@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
-import types
 from collections.abc import AsyncGenerator, AsyncIterator
 
 import anyio
 
 from kvstream._checks import flag, seconds
 from kvstream._checks import path as checked_path
+from kvstream._one_reader import OneReader, running
 from kvstream._wire.from_seq import FromSeq, check_from_seq, start_seq
 from kvstream.codecs.json import JsonCodec
 from kvstream.consumers.base import Continuity, Gap, SequenceTracker, Subscriber, SubscriberItem
@@ -32,7 +32,9 @@ class FileSubscriber(Subscriber):
     `from_seq` (an int, or `{origin: seq}` with `"*"` for the others) skips,
     in the first epoch seen of each origin, the batches below that number.
     A line that does not decode is skipped, counted in `bad_lines` and
-    logged; it never stops the reader.
+    logged; it never stops the reader. One task reads it at a time (a second
+    is refused with `ClosedError`); a loop that stopped and starts again goes
+    on where it was.
     """
 
     def __init__(
@@ -54,21 +56,22 @@ class FileSubscriber(Subscriber):
         self.tracker = SequenceTracker()
         self.bad_lines = 0
         self._closed = False
-        self._readers: list[AsyncGenerator[SubscriberItem, None]] = []
+        self._reader: AsyncGenerator[SubscriberItem, None] | None = None
 
     async def aclose(self) -> None:
         """Stop reading and close the file, also under an iteration left suspended."""
         self._closed = True
-        readers, self._readers = self._readers, []
-        for reader in readers:
-            # A reader running right now (in another task) sees _closed and ends itself.
-            if not (isinstance(reader, types.AsyncGeneratorType) and reader.ag_running):
-                await reader.aclose()
+        reader, self._reader = self._reader, None
+        # A reader running right now (in another task) sees _closed and ends itself.
+        if reader is not None and not running(reader):
+            await reader.aclose()
 
     def __aiter__(self) -> AsyncIterator[SubscriberItem]:
-        reader = self._read()
-        self._readers.append(reader)
-        return reader
+        # One reading of the file for every loop: a loop that stopped and starts again
+        # goes on where it was; two tasks reading at once are refused.
+        if self._reader is None:
+            self._reader = self._read()
+        return OneReader(self._reader, f"FileSubscriber({self.path})", "FileSubscriber")
 
     async def _read(self) -> AsyncGenerator[SubscriberItem, None]:
         try:

@@ -156,7 +156,9 @@ class SocketSubscriber(Subscriber):
     with `heartbeat=`): an origin heard from neither by batch nor heartbeat for
     two intervals is reported gone (`on_liveness`, the log, `liveness()`).
     `codecs` finds the codec the sink's welcome names (default: kvstream's
-    own; through a URL, the registry's, plug-ins included).
+    own; through a URL, the registry's, plug-ins included). One task reads it
+    at a time: a second one asking while the first waits is refused with
+    `ClosedError` (each item goes to one reader).
     """
 
     def __init__(
@@ -227,6 +229,7 @@ class SocketSubscriber(Subscriber):
         self._snapshot_parts: dict[str, list[KVCacheEvent]] = {}
         self._joined = False
         self._closed = False
+        self._reading = False  # a task is waiting in __anext__
         self._ended = False
         self._failures = 0
         self._backoff = Backoff(self.retry_initial, self.retry_max, jitter=0.5)
@@ -298,6 +301,20 @@ class SocketSubscriber(Subscriber):
         return self
 
     async def __anext__(self) -> SubscriberItem:
+        if self._items:  # what arrived already, handed out without a wait
+            return self._items.popleft()
+        if self._reading:
+            raise ClosedError(
+                f"{self.address}: already being read by another task; each item goes to "
+                "one reader only, so give every reader a SocketSubscriber of its own"
+            )
+        self._reading = True
+        try:
+            return await self._next()
+        finally:
+            self._reading = False
+
+    async def _next(self) -> SubscriberItem:
         while True:
             if self._items:
                 return self._items.popleft()

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from kvstream._checks import seconds
+from kvstream._one_reader import OneReader
 from kvstream.events import EventBatch
 from kvstream.sinks.base import Sink
 
@@ -50,7 +51,10 @@ class QueueSink(Sink):
 
     Iterate the sink (`async for batch in sink`: the loop ends once the sink is
     closed and everything was handed over, and closes `receive_stream`), or
-    read `receive_stream` yourself and close it when done. The consumer's
+    read `receive_stream` yourself and close it when done. One task reads it
+    (a second one reading at the same time is refused with `ClosedError`: each
+    batch goes to one reader); a loop that stopped and starts again goes on
+    where it was. The consumer's
     pace is the sink's pace: batches wait in the sink's bounded outbox, under its
     policy, while the consumer is busy.
     """
@@ -61,6 +65,7 @@ class QueueSink(Sink):
         send, receive = anyio.create_memory_object_stream[EventBatch](0)
         self._send_stream: MemoryObjectSendStream[EventBatch] = send
         self.receive_stream: MemoryObjectReceiveStream[EventBatch] = receive
+        self._reader: AsyncGenerator[EventBatch, None] | None = None
 
     async def write(self, data: bytes, batch: EventBatch) -> None:
         try:
@@ -86,9 +91,13 @@ class QueueSink(Sink):
             self._send_stream.close()
 
     def __aiter__(self) -> AsyncIterator[EventBatch]:
-        return self._iterate()
+        # One generator for every loop: a loop that stopped and starts again goes on
+        # where it was; two tasks reading at once are refused (each would get part).
+        if self._reader is None:
+            self._reader = self._iterate()
+        return OneReader(self._reader, self.name, "QueueSink")
 
-    async def _iterate(self) -> AsyncIterator[EventBatch]:
+    async def _iterate(self) -> AsyncGenerator[EventBatch, None]:
         receive = self.receive_stream
         try:
             async for batch in receive:

@@ -87,12 +87,15 @@ async def _next_batch(reader: Any) -> EventBatch:
     raise AssertionError("the stream ended")
 
 
+def _server(request: pytest.FixtureRequest, pipeline: Pipeline) -> Any:
+    return request.getfixturevalue("redis_server") if pipeline is _redis else None
+
+
 @pytest.mark.parametrize("pipeline", PIPELINES)
 async def test_a_second_reader_is_refused_and_the_first_gets_every_batch(
     pipeline: Pipeline, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    server = request.getfixturevalue("redis_server") if "Redis" in request.node.name else None
-    async with pipeline(tmp_path, server) as (scheduler, reader):
+    async with pipeline(tmp_path, _server(request, pipeline)) as (scheduler, reader):
         got: list[int] = []
         waiting = anyio.Event()
 
@@ -116,8 +119,7 @@ async def test_a_second_reader_is_refused_and_the_first_gets_every_batch(
 async def test_a_reader_that_stops_and_starts_again_goes_on_where_it_was(
     pipeline: Pipeline, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    server = request.getfixturevalue("redis_server") if "Redis" in request.node.name else None
-    async with pipeline(tmp_path, server) as (scheduler, reader):
+    async with pipeline(tmp_path, _server(request, pipeline)) as (scheduler, reader):
         seqs: list[int] = []
         async with anyio.create_task_group() as tg:
 

@@ -1414,9 +1414,9 @@ def test_cli_index_waits_for_a_server_not_up_yet(
                 pipe.close()
     text = "".join(lines)
     assert proc.returncode == 0, text
-    assert "trying again in" in text
+    assert "retrying with backoff" in text
     assert "Traceback" not in text
-    # A bad option is not a server down: it stops at once.
+    # A bad option is not a server down: it stops at once; so does --no-retry.
     bad = subprocess.run(
         [sys.executable, "-m", "kvstream", "index", f"redis://127.0.0.1:{port}/kv?count=x"],
         capture_output=True,
@@ -1424,6 +1424,14 @@ def test_cli_index_waits_for_a_server_not_up_yet(
     )
     assert bad.returncode == 2
     assert "count" in bad.stderr.decode()
+    server.stop()
+    down = subprocess.run(
+        [*(sys.executable, "-m", "kvstream", "index", url), "--no-retry", "--port", "0"],
+        capture_output=True,
+        timeout=60,
+    )
+    assert down.returncode == 2
+    assert f"cannot reach redis://127.0.0.1:{port}" in down.stderr.decode()
 
 
 _STATS = b"GET /stats HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"

@@ -7,8 +7,8 @@ file, followed as it grows; ZMQ, NATS, Redis, ...), all into one
 publisher is its own origin, named by `origin=` or its endpoint). It runs until
 Ctrl-C or SIGTERM, and keeps answering from what it has if a stream ends. A
 stream whose server cannot be reached at start (a broker not up yet) is tried
-again with backoff, up to every 30 s, while the index serves; a bad option
-stops it at once.
+again with backoff while the index serves (`--no-retry` exits instead); a bad
+option stops it at once.
 
 With `--state FILE` the index is loaded from FILE at start (when it exists),
 saved every `--save-interval` seconds and on shutdown (written to a temporary
@@ -33,8 +33,8 @@ from typing import Any
 
 import anyio
 
-from kvstream._backoff import Backoff
 from kvstream._cli.longrun import add_metrics_option, metrics_token, open_metrics
+from kvstream._cli.upstream import open_upstream, unreachable
 from kvstream._wire.socket_security import read_token
 from kvstream.config import open_subscriber, parse_url, redact_url
 from kvstream.consumers.base import Gap, Subscriber
@@ -76,6 +76,12 @@ def register(sub: Any) -> None:
         nargs="*",
         metavar="URL",
         help="the streams to follow (subscriber URLs), all into one index",
+    )
+    p.add_argument(
+        "--no-retry",
+        action="store_true",
+        help="exit at once when a stream's server cannot be reached at start "
+        "(default: serve the others and retry it with backoff)",
     )
     p.add_argument("--block-size", type=int, default=16, help="the engines' block size (16)")
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (127.0.0.1)")
@@ -213,13 +219,15 @@ async def run(args: argparse.Namespace) -> int:
         ) as server,
         anyio.create_task_group() as tg,
     ):
-        unreached: dict[str, TransportError] = {}
+        unreached: list[str] = []
         for url in args.url:
             subscriber = _subscriber(url)
             try:
                 await stack.enter_async_context(subscriber)
             except TransportError as exc:  # a server not up yet; a bad option still stops
-                unreached[url] = exc
+                if args.no_retry or not unreachable(exc):
+                    raise
+                unreached.append(url)
                 continue
             followed[url] = subscriber
         if metrics is not None:
@@ -240,31 +248,18 @@ async def run(args: argparse.Namespace) -> int:
                     tg.cancel_scope.cancel()
                     return
 
-        async def reach(url: str, error: TransportError) -> None:
-            """Connect to a stream whose server could not be reached at start, trying
-            again with backoff (a router may start before its brokers), then follow it."""
-            backoff = Backoff(1.0, 30.0, jitter=0.2, where="kvstream index")
-            while True:
-                delay = backoff.next_delay()
-                print(
-                    f"kvstream index: {error}; trying again in {delay:.1f} s",
-                    file=sys.stderr,
-                )
-                await anyio.sleep(delay)
-                subscriber = _subscriber(url)
-                async with AsyncExitStack() as own:
-                    try:
-                        await own.enter_async_context(subscriber)
-                    except TransportError as exc:
-                        error = exc
-                        continue
-                    except KVStreamError as exc:  # reached, but refused: it fails
-                        _failed(url, exc, set())
-                        return
+        async def reach(url: str) -> None:
+            """Follow a stream whose server could not be reached at start, once it can
+            (a router may start before its brokers); tried again with backoff."""
+            try:
+                async with open_upstream(
+                    lambda: _subscriber(url), url=url, command="index"
+                ) as subscriber:
                     followed[url] = subscriber
                     print(f"kvstream index: following {redact_url(url)}", file=sys.stderr)
                     await follow(subscriber, url)
-                    return
+            except KVStreamError as exc:  # reached, and refused: that stream fails
+                _failed(url, exc, set())
 
         def _failed(url: str, exc: KVStreamError, fed: set[tuple[str, int | None]]) -> None:
             # One stream's fault stays its own: the others are still followed, and
@@ -337,8 +332,8 @@ async def run(args: argparse.Namespace) -> int:
         tg.start_soon(watch_signals)
         for url, subscriber in followed.items():
             tg.start_soon(follow, subscriber, url)
-        for url, error in unreached.items():
-            tg.start_soon(reach, url, error)
+        for url in unreached:
+            tg.start_soon(reach, url)
         tg.start_soon(keep_alive)
         if state_path is not None:
             tg.start_soon(save_periodically)

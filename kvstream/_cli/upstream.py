@@ -29,7 +29,14 @@ from kvstream.codecs.json import JsonCodec
 from kvstream.consumers.base import Subscriber
 from kvstream.errors import DecodeError, KVStreamError, TransportError
 
-__all__ = ["RETRY_INITIAL", "RETRY_MAX", "bind_rule", "open_upstream", "refuse_foreign_file"]
+__all__ = [
+    "RETRY_INITIAL",
+    "RETRY_MAX",
+    "bind_rule",
+    "open_upstream",
+    "refuse_foreign_file",
+    "unreachable",
+]
 
 log = logging.getLogger("kvstream.cli")
 
@@ -67,9 +74,7 @@ async def open_upstream(
         try:
             await stack.enter_async_context(sub)
         except TransportError as exc:
-            # A peer that answered and refused (a protocol error: bad token, from_seq
-            # ahead) will refuse again: only an unreachable upstream is retried.
-            if not retry or isinstance(exc.__cause__, KVStreamError):
+            if not retry or not unreachable(exc):
                 raise
             delay = backoff.next_delay()
             if attempt == 1:
@@ -89,6 +94,13 @@ async def open_upstream(
         break
     async with stack:
         yield sub
+
+
+def unreachable(exc: TransportError) -> bool:
+    """Whether `exc` says the upstream could not be reached (worth trying again). A
+    peer that answered and refused (a protocol error: a bad token, a `from_seq`
+    ahead) will refuse again."""
+    return not isinstance(exc.__cause__, KVStreamError)
 
 
 def refuse_foreign_file(path: str) -> None:

@@ -1260,6 +1260,21 @@ def _matches_once(port: int, ready: Callable[[list[Any]], bool]) -> list[Any]:
     return anyio.run(query)
 
 
+def _stats_until(port: int, ready: Callable[[Any], bool]) -> Any:
+    """`GET /stats` until the answer is `ready` (30 s at most)."""
+
+    async def query() -> Any:
+        with anyio.fail_after(30):
+            while True:
+                status, _, body = await _http(port, _STATS)
+                assert status == 200
+                if ready(body):
+                    return body
+                await anyio.sleep(0.05)
+
+    return anyio.run(query)
+
+
 def test_cli_index_follows_a_file_and_answers_queries() -> None:
     path = _one_batch_file()
     codec = JsonCodec()
@@ -1386,13 +1401,17 @@ def test_cli_index_waits_for_a_server_not_up_yet(
 ) -> None:
     """A router may start before its broker: the index serves what it has and tries the
     stream again with backoff, then follows it from the start it was given."""
-    port = free_port()
+    port, socket_port = free_port(), free_port()
     url = f"redis://127.0.0.1:{port}/kv?start=0"
     local = _one_batch_file("engine-0", 3)
-    proc, http_port = _start_cli_index([local, url])
+    # A socket sink's subscriber is entered without retrying inside (it would block the
+    # start, the banner and the other streams), then resumes after drops on its own.
+    socket_url = f"tcp://127.0.0.1:{socket_port}"
+    proc, http_port = _start_cli_index([local, url, socket_url])
     lines, reader, until = _read_stderr(proc)
     try:
         until(f"cannot reach redis://127.0.0.1:{port}")
+        until(f"cannot subscribe to {socket_url}")
         assert proc.poll() is None, "the index stopped for a server not up yet"
         assert [m["origin"] for m in _matches_once(http_port, bool)] == ["engine-0"]
         server = redis_servers(port=port, appendonly=False)
@@ -1405,6 +1424,25 @@ def test_cli_index_waits_for_a_server_not_up_yet(
         until(f"following redis://127.0.0.1:{port}/kv")
         matches = _matches_once(http_port, lambda matches: len(matches) == 2)
         assert [(m["origin"], m["blocks"]) for m in matches] == [("engine-0", 3), ("engine-1", 2)]
+        demo = [sys.executable, "-m", "kvstream", "demo", "--steps", "0", "--rate", "50"]
+        for seed in (1, 2):  # the second run: the sink came back after a drop
+            engine = subprocess.Popen(
+                [*demo, "--seed", str(seed), "--block-size", str(B), "--sink", socket_url],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            try:
+                until(f"following {socket_url}")
+                restarts = seed - 1
+
+                def restarted(stats: Any, n: int = restarts) -> bool:
+                    return bool(stats["restarts"] == n)
+
+                _stats_until(http_port, restarted)
+                _stats_until(http_port, lambda stats: "sim-0" in stats["origins"])
+            finally:
+                engine.terminate()
+                engine.wait(timeout=30)
     finally:
         proc.terminate()
         proc.wait(timeout=30)

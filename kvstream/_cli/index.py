@@ -34,7 +34,7 @@ from typing import Any
 import anyio
 
 from kvstream._cli.longrun import add_metrics_option, metrics_token, open_metrics
-from kvstream._cli.upstream import open_upstream, unreachable
+from kvstream._cli.upstream import enter_upstream, open_upstream, unreachable
 from kvstream._wire.socket_security import read_token
 from kvstream.config import open_subscriber, parse_url, redact_url
 from kvstream.consumers.base import Gap, Subscriber
@@ -223,7 +223,7 @@ async def run(args: argparse.Namespace) -> int:
         for url in args.url:
             subscriber = _subscriber(url)
             try:
-                await stack.enter_async_context(subscriber)
+                await enter_upstream(subscriber, stack)
             except TransportError as exc:  # a server not up yet; a bad option still stops
                 if args.no_retry or not unreachable(exc):
                     raise

@@ -27,7 +27,6 @@ from kvstream._cli.upstream import bind_rule, open_upstream, refuse_foreign_file
 from kvstream.codecs.json import JsonCodec, json_default
 from kvstream.config import ParsedURL, parse_url, redact_url, subscribe
 from kvstream.consumers.base import Gap, Subscriber
-from kvstream.consumers.socket import SocketSubscriber
 from kvstream.errors import ConfigError
 from kvstream.events import (
     AllBlocksCleared,
@@ -269,11 +268,6 @@ async def run(args: argparse.Namespace) -> int:
     if parsed.scheme == "file":
         kwargs["follow"] = not args.no_follow
         refuse_foreign_file(parsed.path)
-    socket = parsed.scheme in ("tcp", "unix") and "reconnect" not in parsed.options
-    if socket:
-        # Entered without reconnecting, so open_upstream sees the first failure;
-        # once connected, the subscriber resumes after drops on its own.
-        kwargs["reconnect"] = False
     out = sys.stdout
     err = sys.stderr
     printer = Printer(args.format, color=_use_color(args.color, out))
@@ -311,8 +305,6 @@ async def run(args: argparse.Namespace) -> int:
             tg.start_soon(say_why_quiet)
         try:
             async with open_upstream(make, url=args.url, command="tail", retry=retry) as sub:
-                if socket and retry and isinstance(sub, SocketSubscriber):
-                    sub.reconnect = True
                 async for item in sub:
                     counters.count(item)
                     if isinstance(item, Gap):

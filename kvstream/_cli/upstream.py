@@ -1,10 +1,11 @@
 """Reaching an upstream from the command line: the same behaviour on every transport.
 
-* `open_upstream` enters a subscriber, retrying with exponential backoff
+* `open_upstream` enters a subscriber (`enter_upstream`), retrying with exponential backoff
   while its upstream cannot be reached: one clear line on the first failure,
   every attempt logged (`-v` shows them), `retry=False` (`--no-retry`)
   raises at once. Once connected, the subscriber's own reconnect rules apply
-  (a socket subscriber resumes after a drop unless `--no-retry`).
+  (a socket subscriber, entered without its own retries so that its first
+  failure is seen here, resumes after a drop unless `--no-retry`).
 * `refuse_foreign_file` refuses, with one line, a file whose first line is not
   a kvstream batch, instead of skipping every line of it.
 * `bind_rule` says whether a ZMQ URL binds or connects, and why, for banners
@@ -27,12 +28,14 @@ from kvstream._redact import redact_url
 from kvstream._wire.vllm_zmq import should_bind
 from kvstream.codecs.json import JsonCodec
 from kvstream.consumers.base import Subscriber
+from kvstream.consumers.socket import SocketSubscriber
 from kvstream.errors import DecodeError, KVStreamError, TransportError
 
 __all__ = [
     "RETRY_INITIAL",
     "RETRY_MAX",
     "bind_rule",
+    "enter_upstream",
     "open_upstream",
     "refuse_foreign_file",
     "unreachable",
@@ -72,7 +75,7 @@ async def open_upstream(
         sub = make()
         stack = AsyncExitStack()
         try:
-            await stack.enter_async_context(sub)
+            await enter_upstream(sub, stack, retry=retry)
         except TransportError as exc:
             if not retry or not unreachable(exc):
                 raise
@@ -94,6 +97,21 @@ async def open_upstream(
         break
     async with stack:
         yield sub
+
+
+async def enter_upstream(sub: Subscriber, stack: AsyncExitStack, *, retry: bool = True) -> None:
+    """Enter `sub` on `stack`, once; `TransportError` when its upstream cannot be reached.
+
+    A socket subscriber would retry inside its entry, unseen: it is entered without,
+    so that its first failure is raised here, and once connected it resumes after
+    drops on its own (unless `retry` is false).
+    """
+    socket = sub if isinstance(sub, SocketSubscriber) and sub.reconnect else None
+    if socket is not None:
+        socket.reconnect = False
+    await stack.enter_async_context(sub)
+    if socket is not None and retry:
+        socket.reconnect = True
 
 
 def unreachable(exc: TransportError) -> bool:

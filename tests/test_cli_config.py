@@ -63,8 +63,8 @@ def test_config_values_are_parsed_into_the_namespace(tmp_path: Path) -> None:
     ("text", "message"),
     [
         ("[demo]\nstepz = 1\n", "[demo] stepz: unknown option; known: block-size"),
-        ('[demo]\nsteps = "many"\n', "[demo] steps: expected an integer, got 'many'"),
-        ("[demo]\nrate = true\n", "[demo] rate: expected a number, got True"),
+        ('[demo]\nsteps = "many"\n', "[demo] steps: expected an integer >= 0, got 'many'"),
+        ("[demo]\nrate = true\n", "[demo] rate: expected a number >= 0, got True"),
         ("[demo]\nsink = [1]\n", "[demo] sink[0]: expected a string, got 1"),
         ("[dem]\nsteps = 1\n", "dem: unknown command table; known: "),
         ('log-level = "LOUD"\n', "log-level: expected one of DEBUG, INFO, WARNING, ERROR"),

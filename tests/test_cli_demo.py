@@ -83,6 +83,15 @@ def test_verify_reports_an_inconsistent_file(tmp_path: Path) -> None:
 def test_user_mistakes_are_one_line_errors(tmp_path: Path) -> None:
     for args, needle in [
         (["demo", "--steps", "-1"], "--steps"),
+        # Numeric options are named by their flag, not by the class parameter they feed.
+        (["demo", "--block-size", "0"], "argument --block-size: expected an integer >= 1, got '0'"),
+        (["index", "x.jsonl", "--ttl", "0"], "argument --ttl: expected seconds > 0, got '0'"),
+        (["index", "--demo", "--ranks", "0"], "argument --ranks: expected an integer >= 1"),
+        (["relay", "--close-timeout", "-1"], "argument --close-timeout: expected seconds >= 0"),
+        (["tail", "x.jsonl", "--count", "-1"], "argument --count: expected an integer >= 0"),
+        # argparse's own refusals are one line too, pointing at --help.
+        (["demo", "--stepz", "1"], "unrecognized arguments: --stepz 1 (see kvstream --help)"),
+        (["bench", "--only", "nosuch"], "invalid choice: 'nosuch'"),
         (["demo", "--sink", "bogus://x"], "unknown scheme 'bogus'"),
         (["demo", "--sink", "file:x.jsonl?polcy=1"], "unknown option(s): polcy"),
         (["verify", str(tmp_path / "missing.jsonl")], "cannot read"),

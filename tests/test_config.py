@@ -215,6 +215,38 @@ def test_make_codec() -> None:
         make_codec("nope")
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "file:x.jsonl?name=",
+        "file:x.jsonl?codec=",
+        "redis://127.0.0.1:6379/kv?group=",
+        "redis://127.0.0.1:6379/kv?start=",
+        "nats://127.0.0.1:4222?durable=",
+        "nats://127.0.0.1:4222?stream=",
+        "zmq+tcp://127.0.0.1:5557?origin=",
+        "zmq+tcp://127.0.0.1:5557?replay=",
+        "tcp://127.0.0.1:5600?token_env=",
+    ],
+)
+def test_an_empty_option_is_refused_not_taken_for_its_default(url: str) -> None:
+    """`?group=` (a template variable left unset) used to read as no group at all: a plain
+    reader instead of a group member, with nothing said."""
+    key = url.rpartition("?")[2].rstrip("=")
+    with pytest.raises(ConfigError) as info:
+        (open_sink if url.startswith("file:") else open_subscriber)(url)
+    assert str(info.value).startswith(url.partition("?")[0])
+    assert f"option {key}: expected a value, got an empty one" in str(info.value)
+
+
+def test_an_empty_zmq_topic_is_the_topic_vllm_uses() -> None:
+    # Taken, not refused, on either end (the sink is not opened: nothing binds).
+    assert open_subscriber("zmq+tcp://127.0.0.1:5557?topic=") is not None
+    assert open_sink("zmq+tcp://127.0.0.1:5557?topic=").topic == ""  # type: ignore[attr-defined]
+    opts = Options("u", {"t": ""})
+    assert opts.pop_str("t", "x", allow_empty=True) == ""
+
+
 def test_options_are_taken_one_by_one_and_leftovers_refused() -> None:
     opts = Options("u", {"a": "1", "b": "2.5", "c": "off", "d": "4KiB", "e": "x"})
     assert "a" in opts

@@ -1514,7 +1514,7 @@ def test_cli_index_max_connections_bounds_the_connections_served() -> None:
         timeout=60,
     )
     assert bad.returncode == 2
-    assert "max_connections: expected a positive int, got 0" in bad.stderr.decode()
+    assert "argument --max-connections: expected an integer >= 1, got '0'" in bad.stderr.decode()
 
 
 def test_cli_index_demo_routes_better_than_random(capsys: pytest.CaptureFixture[str]) -> None:

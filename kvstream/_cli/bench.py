@@ -22,6 +22,7 @@ import anyio
 from kvstream._bench.per_sink import SINK_NAMES, is_sink_url
 from kvstream._bench.sizes import FULL, QUICK, TINY, Sizes
 from kvstream._bench.suite import BENCHMARKS, run_suite
+from kvstream._cli.argtypes import positive_int
 from kvstream.config import open_sink
 from kvstream.errors import ConfigError
 
@@ -82,7 +83,9 @@ def register(sub: Any) -> None:
         + ", ".join(SINK_NAMES)
         + ", or any sink URL (a plug-in's scheme too)",
     )
-    p.add_argument("--runs", type=int, metavar="N", help="timed runs per case (median of N)")
+    p.add_argument(
+        "--runs", type=positive_int, metavar="N", help="timed runs per case (median of N)"
+    )
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # smoke tests
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
@@ -191,8 +194,6 @@ def _command_line(args: argparse.Namespace) -> str:
 def _sizes(args: argparse.Namespace) -> Sizes:
     sizes = TINY if args.tiny else QUICK if args.quick else FULL
     if args.runs is not None:
-        if args.runs < 1:
-            raise ConfigError(f"--runs: expected a positive number, got {args.runs}")
         sizes = sizes.scaled(runs=args.runs)
     return sizes
 

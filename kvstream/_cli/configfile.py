@@ -25,6 +25,7 @@ import tomllib
 from collections.abc import Mapping
 from typing import Any
 
+from kvstream._cli.argtypes import EXPECTED
 from kvstream.errors import ConfigError
 
 __all__ = ["ConfigList", "apply_config", "finish_args", "load_config"]
@@ -94,10 +95,12 @@ def _convert_one(action: argparse.Action, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a number, got {value!r}")
     else:
         if type(value) is bool:
-            raise ConfigError(f"{where}: expected a value, got {value!r}")
+            raise ConfigError(f"{where}: expected {EXPECTED.get(kind, 'a value')}, got {value!r}")
         try:
             converted = kind(str(value))  # type: ignore[operator]
-        except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+        except argparse.ArgumentTypeError as exc:  # its message names the value
+            raise ConfigError(f"{where}: {exc}") from None
+        except (ValueError, TypeError) as exc:
             raise ConfigError(f"{where}: {exc}, got {value!r}") from None
     if action.choices is not None and converted not in action.choices:
         known = ", ".join(map(str, action.choices))

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Final
 import anyio
 import anyio.lowlevel
 
+from kvstream._cli.argtypes import non_negative_int, non_negative_number, positive_int
 from kvstream._cli.kv_events import add_kv_events_config_option, zmq_sink_from_kv_events_config
 from kvstream._cli.longrun import Progress, add_metrics_option, metrics_token, open_metrics
 from kvstream._cli.upstream import bind_rule
@@ -58,16 +59,29 @@ def register(sub: Any) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--steps", type=int, default=1000, help="engine steps; 0 = until stopped (1000)")
     p.add_argument(
-        "--rate", type=float, default=250.0, help="steps per second; 0 = as fast as possible (250)"
+        "--steps",
+        type=non_negative_int,
+        default=1000,
+        help="engine steps; 0 = until stopped (1000)",
+    )
+    p.add_argument(
+        "--rate",
+        type=non_negative_number,
+        default=250.0,
+        help="steps per second; 0 = as fast as possible (250)",
     )
     p.add_argument("--seed", type=int, default=0, help="workload seed (0)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (16)")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (16)")
     p.add_argument("--origin", default="sim-0", help="the engine's origin name (sim-0)")
-    p.add_argument("--gpu-blocks", type=int, default=1024, help="GPU pool size in blocks (1024)")
     p.add_argument(
-        "--reset-every", type=int, default=0, help="reset the cache every N steps; 0 = never"
+        "--gpu-blocks", type=positive_int, default=1024, help="GPU pool size in blocks (1024)"
+    )
+    p.add_argument(
+        "--reset-every",
+        type=non_negative_int,
+        default=0,
+        help="reset the cache every N steps; 0 = never",
     )
     p.add_argument(
         "--sink",
@@ -212,10 +226,6 @@ def _count(batch: EventBatch, counts: Counter[tuple[str, str | None]]) -> None:
 
 
 async def run(args: argparse.Namespace) -> int:
-    if args.steps < 0:
-        raise ConfigError(f"--steps: expected >= 0, got {args.steps}")
-    if args.rate < 0:
-        raise ConfigError(f"--rate: expected >= 0, got {args.rate}")
     urls: list[str] = list(args.sink)
     zmq_sink = zmq_sink_from_kv_events_config(args.kv_events_config)
     codecs: dict[str, Any] = {}

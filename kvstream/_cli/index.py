@@ -33,6 +33,7 @@ from typing import Any
 
 import anyio
 
+from kvstream._cli.argtypes import positive_int, positive_seconds
 from kvstream._cli.longrun import add_metrics_option, metrics_token, open_metrics
 from kvstream._cli.upstream import enter_upstream, open_upstream, unreachable
 from kvstream._wire.socket_security import read_token
@@ -83,20 +84,22 @@ def register(sub: Any) -> None:
         help="exit at once when a stream's server cannot be reached at start "
         "(default: serve the others and retry it with backoff)",
     )
-    p.add_argument("--block-size", type=int, default=16, help="the engines' block size (16)")
+    p.add_argument(
+        "--block-size", type=positive_int, default=16, help="the engines' block size (16)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (127.0.0.1)")
     p.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"port; 0 = any free port ({DEFAULT_PORT})"
     )
     p.add_argument(
         "--max-request-bytes",
-        type=int,
+        type=positive_int,
         default=4 * 1024 * 1024,
         help="largest request body accepted (4194304)",
     )
     p.add_argument(
         "--max-connections",
-        type=int,
+        type=positive_int,
         default=64,
         metavar="N",
         help="connections served at once (64); at the limit a new one takes the place of the "
@@ -121,21 +124,21 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--save-interval",
-        type=float,
+        type=positive_seconds,
         default=60.0,
         metavar="SECONDS",
         help="with --state: seconds between saves (60)",
     )
     p.add_argument(
         "--ttl",
-        type=float,
+        type=positive_seconds,
         default=None,
         metavar="SECONDS",
         help="drop a stream after this long without a batch (default: never)",
     )
     p.add_argument(
         "--max-blocks",
-        type=int,
+        type=positive_int,
         default=None,
         help="bound the (stream, block) entries; the least recently stored go first",
     )
@@ -148,10 +151,16 @@ def register(sub: Any) -> None:
         "defaults GPU=1, CPU=0.8, DISK=0.5, EXTERNAL=0.3)",
     )
     p.add_argument("--demo", action="store_true", help="compare index and random routing")
-    p.add_argument("--engines", type=int, default=4, help="demo: simulated engines (4)")
-    p.add_argument("--requests", type=int, default=2000, help="demo: requests routed (2000)")
-    p.add_argument("--gpu-blocks", type=int, default=1024, help="demo: GPU blocks per engine")
-    p.add_argument("--ranks", type=int, default=2, help="demo: data-parallel ranks per engine (2)")
+    p.add_argument("--engines", type=positive_int, default=4, help="demo: simulated engines (4)")
+    p.add_argument(
+        "--requests", type=positive_int, default=2000, help="demo: requests routed (2000)"
+    )
+    p.add_argument(
+        "--gpu-blocks", type=positive_int, default=1024, help="demo: GPU blocks per engine"
+    )
+    p.add_argument(
+        "--ranks", type=positive_int, default=2, help="demo: data-parallel ranks per engine (2)"
+    )
     add_metrics_option(p)
     p.set_defaults(func=run)
 
@@ -179,8 +188,6 @@ async def run(args: argparse.Namespace) -> int:
             )
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port: expected 0-65535, got {args.port}")
-    if args.save_interval <= 0:
-        raise ConfigError(f"--save-interval: expected seconds > 0, got {args.save_interval}")
     index = PrefixIndex(
         block_size=args.block_size,
         seed=args.seed,

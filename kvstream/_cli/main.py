@@ -13,7 +13,7 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Final, get_args
+from typing import Final, NoReturn, get_args
 
 import anyio
 
@@ -45,8 +45,16 @@ and prints a summary; --metrics ADDR serves Prometheus metrics while it runs.
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line as every other error of the command line
+    (the usage block it prints before them is what `--help` is for)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvstream",
         description="KV cache events for LLM serving: simulate, publish, relay, follow and index.",
         epilog=EPILOG,

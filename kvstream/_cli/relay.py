@@ -28,6 +28,7 @@ from typing import Any
 
 import anyio
 
+from kvstream._cli.argtypes import non_negative_seconds, positive_seconds
 from kvstream._cli.kv_events import add_kv_events_config_option, zmq_sink_from_kv_events_config
 from kvstream._cli.longrun import Progress, add_metrics_option, metrics_token, open_metrics
 from kvstream.config import open_sink, open_subscriber
@@ -76,7 +77,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--interval",
-        type=float,
+        type=positive_seconds,
         default=0.05,
         metavar="SECONDS",
         help="seconds between ticks: how long events wait to be batched (0.05)",
@@ -88,7 +89,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--close-timeout",
-        type=float,
+        type=non_negative_seconds,
         default=5.0,
         metavar="SECONDS",
         help="how long to deliver what is pending when stopping (5)",
@@ -139,8 +140,6 @@ def _summary(relay: Relay, report: CloseReport, sinks: list[Sink], elapsed: floa
 async def run(args: argparse.Namespace) -> int:
     if not args.source:
         raise ConfigError("relay: expected at least one --source URL")
-    if not args.interval > 0:
-        raise ConfigError(f"--interval: expected seconds > 0, got {args.interval}")
     codecs: dict[str, Any] = {}
     sinks = [open_sink(url, codecs=codecs) for url in args.sink]
     zmq_sink = zmq_sink_from_kv_events_config(args.kv_events_config)

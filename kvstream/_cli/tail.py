@@ -22,6 +22,7 @@ from typing import IO, Any, Final, NamedTuple
 import anyio
 import orjson
 
+from kvstream._cli.argtypes import non_negative_int
 from kvstream._cli.longrun import add_metrics_option, metrics_token, open_metrics
 from kvstream._cli.upstream import bind_rule, open_upstream, refuse_foreign_file
 from kvstream.codecs.json import JsonCodec, json_default
@@ -76,7 +77,7 @@ def register(sub: Any) -> None:
     p.add_argument("url", help="what to read: tcp://HOST:PORT, unix:PATH, a file, zmq+tcp://...")
     p.add_argument(
         "--from-seq",
-        type=int,
+        type=non_negative_int,
         default=None,
         metavar="N",
         help="start at seq N (default: live batches only; a file: from its start)",
@@ -94,7 +95,11 @@ def register(sub: Any) -> None:
         help="colour pretty output: auto = when stdout is a terminal and NO_COLOR is unset",
     )
     p.add_argument(
-        "--count", type=int, default=0, metavar="N", help="exit after N batches (0: never)"
+        "--count",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="exit after N batches (0: never)",
     )
     p.add_argument(
         "--no-follow",
@@ -259,10 +264,6 @@ def quiet_hint(parsed: ParsedURL, seconds: float) -> str | None:
 
 
 async def run(args: argparse.Namespace) -> int:
-    if args.from_seq is not None and args.from_seq < 0:
-        raise ConfigError(f"--from-seq: expected >= 0, got {args.from_seq}")
-    if args.count < 0:
-        raise ConfigError(f"--count: expected >= 0, got {args.count}")
     kwargs: dict[str, Any] = {}
     parsed = parse_url(args.url)
     if parsed.scheme == "file":

@@ -117,8 +117,21 @@ class Options:
     def __contains__(self, key: str) -> bool:
         return key in self._options
 
-    def pop_str(self, key: str, default: str | None = None) -> str | None:
-        return self._options.pop(key, default)
+    def pop_str(
+        self, key: str, default: str | None = None, *, allow_empty: bool = False
+    ) -> str | None:
+        """The option's text, or `default` when absent. An empty value (`?group=`, often a
+        template variable left unset) is refused unless `allow_empty`: taken as the
+        default, it would quietly change what the URL means."""
+        value = self._options.pop(key, None)
+        if value is None:
+            return default
+        if not value and not allow_empty:
+            raise ConfigError(
+                f"{self.shown}: option {key}: expected a value, got an empty one "
+                "(leave the option out for its default)"
+            )
+        return value
 
     def pop_choice(self, key: str, choices: tuple[str, ...], default: str) -> str:
         value = self._options.pop(key, default)

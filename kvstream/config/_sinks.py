@@ -117,7 +117,7 @@ def zmq_sink(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink:
         "replay_endpoint": None
         if replay is None
         else normalize_endpoint(replay, f"{parsed.shown}: replay"),
-        "topic": opts.pop_str("topic", "") or "",
+        "topic": opts.pop_str("topic", "", allow_empty=True) or "",
         "model": opts.pop_str("model"),
         "hwm": opts.pop_int("hwm", DEFAULT_HWM, minimum=0),
         "buffer_steps": opts.pop_int("buffer_steps", DEFAULT_BUFFER_STEPS, minimum=1),

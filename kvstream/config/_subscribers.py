@@ -119,7 +119,7 @@ def zmq_subscriber(parsed: ParsedURL, opts: Options, kwargs: dict[str, Any]) -> 
         if replay is None
         else normalize_endpoint(replay, f"{parsed.shown}: replay"),
         origin=origin,
-        topic=opts.pop_str("topic", "") or "",
+        topic=opts.pop_str("topic", "", allow_empty=True) or "",
         from_seq=opts.pop_int("from_seq", start_seq(wanted, origin or default_origin(endpoint))),
         bind=bind,
         join=opts.pop_choice("join", JOINS, "start"),  # type: ignore[arg-type]

@@ -262,8 +262,8 @@ def test_cli_state_is_saved_on_shutdown_and_loaded_at_start(tmp_path: Path) -> N
         capture_output=True,
         timeout=60,
     )
-    assert done.returncode != 0
-    assert b"index state: format" in done.stderr
+    assert done.returncode == 2
+    assert f"--state {state}: index state: format".encode() in done.stderr
 
 
 def test_cli_state_is_saved_periodically_while_it_runs(tmp_path: Path) -> None:

@@ -201,7 +201,10 @@ async def run(args: argparse.Namespace) -> int:
             data = state_path.read_bytes()
         except OSError as exc:
             raise ConfigError(f"--state: cannot read {state_path}: {exc}") from exc
-        index.load(data)
+        try:
+            index.load(data)
+        except ConfigError as exc:  # say which file: the index's message names the field
+            raise ConfigError(f"--state {state_path}: {exc}") from exc
         stats = index.statistics()
         print(
             f"kvstream index: loaded {state_path}: {stats.distinct_blocks:,} blocks over "

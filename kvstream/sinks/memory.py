@@ -54,9 +54,8 @@ class QueueSink(Sink):
     read `receive_stream` yourself and close it when done. One task reads it
     (a second one reading at the same time is refused with `ClosedError`: each
     batch goes to one reader); a loop that stopped and starts again goes on
-    where it was. The consumer's
-    pace is the sink's pace: batches wait in the sink's bounded outbox, under its
-    policy, while the consumer is busy.
+    where it was. The consumer's pace is the sink's pace: batches wait in the
+    sink's bounded outbox, under its policy, while the consumer is busy.
     """
 
     def __init__(self, **options: Any) -> None:

@@ -326,7 +326,7 @@ async def test_oversized_batch_is_refused_counted_and_seen_as_a_gap(
 async def test_start_errors_are_clear(nats_servers: Callable[..., NatsServer]) -> None:
     port = free_port()
     with pytest.raises(TransportError, match=rf"^cannot reach nats://127\.0\.0\.1:{port}: "):
-        async with NatsSink(f"nats://127.0.0.1:{port}", create=True):
+        async with NatsSink(f"nats://127.0.0.1:{port}", create=True, retry_connect=False):
             pass
     with pytest.raises(TransportError, match=rf"^cannot reach nats://127\.0\.0\.1:{port}: "):
         async with NatsSubscriber(f"nats://127.0.0.1:{port}"):
@@ -360,11 +360,45 @@ async def test_start_errors_are_clear(nats_servers: Callable[..., NatsServer]) -
 
 
 @SERVER
+async def test_a_sink_whose_server_is_not_up_yet_enters_and_delivers_once_it_is(
+    nats_servers: Callable[..., NatsServer],
+) -> None:
+    """The other sinks go on; batches wait in the outbox; the stream is created and
+    every batch stored, in order, once the server is there."""
+    port = free_port()
+    memory = MemorySink()
+    sink = NatsSink(f"nats://127.0.0.1:{port}", create=True, retry_max=0.2)
+    async with Scheduler(sinks=[memory, sink], origin="engine-0") as sched:
+        for i in range(5):
+            sched.emit(stored(i))
+            await sched.tick()
+        assert [b.seq for b in memory.batches] == list(range(5))
+        st = sink.statistics()
+        assert (st.healthy, st.batches_out, st.queued_batches) == (False, 0, 5)
+        assert f"cannot reach nats://127.0.0.1:{port}" in (sink.connect_error or "")
+        server = nats_servers(port=port)
+        await wait_until(lambda: sink.statistics().batches_out == 5)
+        assert sink.statistics().healthy
+        assert sink.connect_error is None
+        for i in range(5, 8):
+            sched.emit(stored(i))
+            await sched.tick()
+    assert sink.statistics().batches_out == 8
+    assert seqs(await read_all(server.url)) == list(range(8))
+    # A server that answers and refuses is not "not up yet": the entry fails.
+    locked = nats_servers(config='authorization { user: "kv", password: "s3cret" }\n')
+    with pytest.raises(TransportError, match="authorization violation"):
+        async with NatsSink(f"nats://kv:wrong@127.0.0.1:{locked.port}", create=True):
+            pass
+
+
+@SERVER
 async def test_cli_errors_and_demo_through_nats(nats_server: NatsServer) -> None:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     port = free_port()
     demo = [sys.executable, "-m", "kvstream", "demo", "--steps", "3", "--sink"]
-    failed = await anyio.run_process([*demo, f"nats://127.0.0.1:{port}"], check=False, env=env)
+    unreachable = f"nats://127.0.0.1:{port}?retry_connect=false"
+    failed = await anyio.run_process([*demo, unreachable], check=False, env=env)
     assert failed.returncode == 2
     assert f"cannot reach nats://127.0.0.1:{port}" in failed.stderr.decode()
     assert "Traceback" not in failed.stderr.decode()

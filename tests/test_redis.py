@@ -259,7 +259,7 @@ async def test_start_errors_are_clear(
 ) -> None:
     port = free_port()
     with pytest.raises(TransportError, match=rf"^cannot reach redis://127\.0\.0\.1:{port}: "):
-        async with RedisSink(f"redis://127.0.0.1:{port}"):
+        async with RedisSink(f"redis://127.0.0.1:{port}", retry_connect=False):
             pass
     with pytest.raises(TransportError, match=rf"^cannot reach redis://127\.0\.0\.1:{port}: "):
         async with RedisSubscriber(f"redis://127.0.0.1:{port}"):
@@ -286,12 +286,47 @@ async def test_start_errors_are_clear(
 
 
 @SERVER
+async def test_a_sink_whose_server_is_not_up_yet_enters_and_delivers_once_it_is(
+    redis_servers: Callable[..., RedisServer],
+) -> None:
+    """Faults stay local at start too: the other sinks are not held up, batches wait in
+    the outbox, and every one arrives, in order, once the server is there."""
+    port = free_port()
+    memory = MemorySink()
+    sink = RedisSink(f"redis://127.0.0.1:{port}", stream="kv:late", retry_max=0.2)
+    async with Scheduler(sinks=[memory, sink], origin="engine-0") as sched:
+        for i in range(5):
+            sched.emit(stored(i))
+            await sched.tick()
+        assert [b.seq for b in memory.batches] == list(range(5))
+        st = sink.statistics()
+        assert (st.healthy, st.batches_out, st.queued_batches) == (False, 0, 5)
+        assert f"cannot reach redis://127.0.0.1:{port}" in (sink.connect_error or "")
+        server = redis_servers(port=port, appendonly=False)
+        await wait_until(lambda: sink.statistics().batches_out == 5)
+        assert sink.statistics().healthy
+        assert sink.connect_error is None
+        for i in range(5, 8):
+            sched.emit(stored(i))
+            await sched.tick()
+    assert sink.statistics().batches_out == 8
+    assert seqs(await read_all(f"{server.url}/kv:late")) == list(range(8))
+    # A server that answers and refuses is not "not up yet": the entry fails.
+    locked = redis_servers(password="s3cret")
+    with pytest.raises(TransportError, match="authentication"):
+        async with RedisSink(f"redis://:wrong@127.0.0.1:{locked.port}"):
+            pass
+
+
+@SERVER
 async def test_cli_errors_and_demo_through_redis(redis_server: RedisServer) -> None:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     port = free_port()
     demo = [sys.executable, "-m", "kvstream", "demo", "--sink"]
     failed = await anyio.run_process(
-        [*demo, f"redis://127.0.0.1:{port}", "--steps", "3"], check=False, env=env
+        [*demo, f"redis://127.0.0.1:{port}?retry_connect=false", "--steps", "3"],
+        check=False,
+        env=env,
     )
     assert failed.returncode == 2
     assert f"cannot reach redis://127.0.0.1:{port}" in failed.stderr.decode()

@@ -163,6 +163,7 @@ def nats_sink(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink:
         duplicate_window=opts.pop_float("duplicate_window"),
         ack_timeout=opts.pop_float("ack_timeout", 5.0) or 5.0,
         connect_timeout=opts.pop_float("connect_timeout", 5.0) or 5.0,
+        retry_connect=opts.pop_bool("retry_connect", True),
         **common,
     )
 
@@ -178,6 +179,7 @@ def redis_sink(parsed: ParsedURL, opts: Options, common: dict[str, Any]) -> Sink
         maxlen=opts.pop_int("maxlen", minimum=1),
         db=opts.pop_int("db", 0) or 0,
         connect_timeout=opts.pop_float("connect_timeout", 5.0) or 5.0,
+        retry_connect=opts.pop_bool("retry_connect", True),
         dedup_scan=opts.pop_int("dedup_scan", 100_000, minimum=1) or 100_000,
         **snapshot_options(opts),
         **common,

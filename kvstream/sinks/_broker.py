@@ -14,7 +14,7 @@ from typing import Any
 
 from anyio.abc import TaskGroup
 
-from kvstream._checks import count, seconds
+from kvstream._checks import count, flag, seconds
 from kvstream._wire.broker import (
     Heartbeat,
     Heartbeats,
@@ -22,6 +22,7 @@ from kvstream._wire.broker import (
     SnapshotInfo,
     snapshot_envelope,
 )
+from kvstream.errors import TransportError
 from kvstream.events import EventBatch
 from kvstream.sinks.base import Sink
 from kvstream.state import DEFAULT_MAX_BYTES, Snapshot
@@ -39,6 +40,13 @@ class BrokerSink(Sink):
     `_keep_delivered()` after each batch its broker acknowledged, in stream
     order, stores a due snapshot's `_snapshot_envelope()`, and implements
     `_beat()`.
+
+    `retry_connect` (default true): a server that cannot be reached at start
+    does not fail the entry: the sink enters unhealthy and connects once the
+    server is there (`Sink.opens_later()`); batches wait in its outbox
+    meanwhile, under its policy. A server that answers and refuses (a wrong
+    password) still fails it. A subclass says which errors are "unreachable"
+    (`_unreachable()`) and opens the connection in `recover()` when it has none.
     """
 
     shown: str
@@ -50,9 +58,13 @@ class BrokerSink(Sink):
         snapshot_interval: float | None = None,
         snapshot_max_bytes: int = DEFAULT_MAX_BYTES,
         heartbeat: float | None = None,
+        retry_connect: bool = True,
         **options: Any,
     ) -> None:
         super().__init__(**options)
+        self.retry_connect = flag(f"{self.shown}: retry_connect", retry_connect)
+        #: Why the last attempt to connect failed (None once connected).
+        self.connect_error: str | None = None
         seconds(f"{self.shown}: heartbeat", heartbeat)
         seconds(f"{self.shown}: snapshot_interval", snapshot_interval)
         count(f"{self.shown}: snapshot_every", snapshot_every)
@@ -108,6 +120,22 @@ class BrokerSink(Sink):
     async def _beat(self, heartbeat: Heartbeat) -> None:
         """Announce `heartbeat` on the broker (a failure is logged by `Heartbeats`)."""
         raise NotImplementedError
+
+    def opens_later(self, exc: TransportError) -> bool:
+        if self.retry_connect and self._unreachable(exc):
+            self.connect_error = str(exc)
+            return True
+        return False
+
+    def _unreachable(self, exc: TransportError) -> bool:
+        """Whether `exc` (raised while connecting) says the server could not be
+        reached, rather than that it refused."""
+        return False
+
+    def _not_connected(self) -> TransportError:
+        """The error of a send with no connection (why the last attempt failed)."""
+        why = f" ({self.connect_error})" if self.connect_error else ""
+        return TransportError(f"{self.shown}: not connected{why}")
 
     def start_tasks(self, tg: TaskGroup) -> None:
         if self._heartbeats is not None:

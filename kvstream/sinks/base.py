@@ -42,7 +42,7 @@ from kvstream._backoff import Backoff
 from kvstream._burst_log import BurstLog
 from kvstream.codecs.base import Codec, Refusal
 from kvstream.codecs.json import JsonCodec
-from kvstream.errors import ClosedError, ConfigError
+from kvstream.errors import ClosedError, ConfigError, TransportError
 from kvstream.events import EventBatch
 from kvstream.lifetime import LifetimeState, TaskOwner, open_task_group
 from kvstream.sinks._encoding import SharedEncoding
@@ -246,6 +246,17 @@ class Sink(TaskOwner, ABC):
     async def recover(self, exc: Exception) -> None:
         """Called after `write` raised `exc`, before the retry: reconnect here."""
 
+    def opens_later(self, exc: TransportError) -> bool:
+        """Whether the sink enters although `open()` raised `exc` (optional hook).
+
+        True for a server that could not be reached (not up yet, say): the sink
+        enters unhealthy, its batches wait in the outbox under its policy, and
+        the writer's retries (backoff, then `recover()`, which must then open the
+        transport) connect it once the server is there. The other sinks of the
+        scheduler are not held up. Default: False, every failure fails the entry.
+        """
+        return False
+
     async def aclose(self) -> None:
         """Drain what is queued (within `close_timeout`), stop the writer.
 
@@ -287,7 +298,22 @@ class Sink(TaskOwner, ABC):
         """
         if self._drain_report is not None:
             raise ClosedError(f"{self.name}: the sink was closed before it was entered")
-        await self.open()
+        try:
+            await self.open()
+        except TransportError as exc:
+            if not self.opens_later(exc):
+                raise
+            # Faults stay local: this sink waits for its server, the others go on.
+            self._send_errors += 1
+            self._healthy = False
+            self._burst_errors = 1
+            log.warning(
+                "%s: %s; entered without it: batches wait in the outbox (policy %s) "
+                "while it tries again with backoff",
+                self.name,
+                exc,
+                self.policy,
+            )
         try:
             tg = self._tg = await open_task_group(stack, f"kvstream sink {self.name}")
             await self.enter_contexts(stack)

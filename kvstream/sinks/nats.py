@@ -55,7 +55,7 @@ from kvstream._wire.broker import (
 )
 from kvstream._wire.broker_client import closed_on_error, shown_url
 from kvstream.codecs.json import JsonCodec
-from kvstream.errors import ConfigError, TransportError
+from kvstream.errors import ConfigError, KVStreamError, TransportError
 from kvstream.events import EventBatch
 from kvstream.sinks._broker import BrokerSink
 from kvstream.state import DEFAULT_MAX_BYTES
@@ -295,12 +295,27 @@ class NatsSink(BrokerSink):
             return
         self._client = self._js = None
         await nats_client.close_quietly(client)
-        await self._connect()
-        log.info("%s: reconnected", self.name)
+        try:
+            await self._connect()
+        except KVStreamError as error:  # unreachable still, or reached and refused
+            self.connect_error = str(error)
+            raise
+        self.connect_error = None
+        log.info("%s: connected", self.name)
+
+    def _unreachable(self, exc: TransportError) -> bool:
+        # No answer (refused, reset, timed out, no such host); a refusal by the server
+        # (authorization) is a nats error and stays fatal.
+        nats = self._nats
+        silent = (OSError, TimeoutError, nats.errors.NoServersError, nats.errors.TimeoutError)
+        return isinstance(exc.__cause__, silent)
 
     # -- sending ------------------------------------------------------------------
 
     async def write(self, data: bytes, batch: EventBatch) -> None:
+        js = self._js
+        if js is None:  # before the size check: the limit is known once connected
+            raise self._not_connected()
         codec = self.codec
         assert codec is not None
         subject = self.subject or default_subject(batch.origin)
@@ -320,9 +335,6 @@ class NatsSink(BrokerSink):
             )
             self.discard(batch, f"message of {size} bytes above the {self._max_message}-byte limit")
             return
-        js = self._js
-        if js is None:
-            raise TransportError(f"{self.shown}: not connected")
         nats = self._nats
         try:
             if self._uncertain:

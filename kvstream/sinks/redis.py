@@ -49,7 +49,7 @@ from kvstream._wire.broker import (
 )
 from kvstream._wire.broker_client import shown_url
 from kvstream.codecs.json import JsonCodec
-from kvstream.errors import ConfigError, DecodeError, TransportError
+from kvstream.errors import ConfigError, DecodeError, KVStreamError, TransportError
 from kvstream.events import EventBatch
 from kvstream.sinks._broker import BrokerSink
 from kvstream.state import DEFAULT_MAX_BYTES
@@ -148,6 +148,26 @@ class RedisSink(BrokerSink):
         self._last_id = _as_id(last[0][0]) if last else b"0-0"
         self._client = client
 
+    async def recover(self, exc: Exception) -> None:
+        """Open the connection a server not up at start kept from opening (a client
+        once open reconnects by itself, checking before each command)."""
+        if self._client is not None:
+            return
+        try:
+            await self.open()
+        except KVStreamError as error:  # unreachable still, or reached and refused
+            self.connect_error = str(error)
+            raise
+        self.connect_error = None
+        log.info("%s: connected", self.name)
+
+    def _unreachable(self, exc: TransportError) -> bool:
+        redis = redis_client.require_redis()
+        cause = exc.__cause__
+        return isinstance(
+            cause, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError | OSError
+        ) and not isinstance(cause, redis.exceptions.AuthenticationError)
+
     async def write(self, data: bytes, batch: EventBatch) -> None:
         await self.write_many([(data, batch)])
 
@@ -155,7 +175,7 @@ class RedisSink(BrokerSink):
         redis = redis_client.require_redis()
         client = self._client
         if client is None:
-            raise TransportError(f"{self.shown}: not connected")
+            raise self._not_connected()
         codec = self.codec
         assert codec is not None
         try:

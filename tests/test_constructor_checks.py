@@ -64,6 +64,8 @@ CASES: list[tuple[Callable[..., Any], dict[str, Any], str]] = [
     (RedisSink, {"db": -1}, "db: expected an int >= 0, got -1"),
     (RedisSink, {"connect_timeout": "5"}, "connect_timeout: expected seconds > 0, got '5'"),
     (RedisSink, {"dedup_scan": True}, "dedup_scan: expected an int >= 1, got True"),
+    (RedisSink, {"retry_connect": "no"}, "retry_connect: expected True or False, got 'no'"),
+    (NatsSink, {"retry_connect": 0}, "retry_connect: expected True or False, got 0"),
     (SocketSubscriber, {"port": 1, "host": 2}, "SocketSubscriber.host: expected a str, got 2"),
     (SocketSubscriber, {"port": 1, "reconnect": "no"}, "reconnect: expected True or False"),
     (SocketSubscriber, {"port": 1, "ssl_context": 1}, "ssl_context: expected an ssl.SSLContext"),

@@ -11,9 +11,10 @@ from typing import Any
 
 import anyio
 import pytest
-from servers import RedisServer, redis_server, redis_servers, stored
+from servers import RedisServer, redis_server, redis_servers, stored, wait_until
 
 from kvstream import EventBatch, Scheduler
+from kvstream._one_reader import running
 from kvstream.consumers import FileSubscriber
 from kvstream.consumers.redis import RedisSubscriber
 from kvstream.consumers.socket import SocketSubscriber
@@ -87,6 +88,15 @@ async def _next_batch(reader: Any) -> EventBatch:
     raise AssertionError("the stream ended")
 
 
+def _waiting(reader: Any) -> bool:
+    """Whether a task is inside `reader`'s next item (its generator, or the socket
+    subscriber's own flag)."""
+    if isinstance(reader, SocketSubscriber):
+        return reader._reading
+    gen = getattr(reader, "_reader", None) or getattr(reader, "_gen", None)
+    return gen is not None and running(gen)
+
+
 def _server(request: pytest.FixtureRequest, pipeline: Pipeline) -> Any:
     return request.getfixturevalue("redis_server") if pipeline is _redis else None
 
@@ -107,7 +117,7 @@ async def test_a_second_reader_is_refused_and_the_first_gets_every_batch(
         async with anyio.create_task_group() as tg:
             tg.start_soon(first)
             await waiting.wait()
-            await anyio.sleep(0.05)  # the first reader is waiting for a batch now
+            await wait_until(lambda: _waiting(reader))  # the first reader waits for a batch
             with pytest.raises(ClosedError, match="already being read by another task"):
                 await anext(aiter(reader))
             await _publish(scheduler, 0)

@@ -40,6 +40,7 @@ from kvstream._bench.servers import NatsServer, RedisServer, free_port
 from kvstream.config import open_subscriber
 from kvstream.consumers.base import Gap
 from kvstream.events import BlockStored, EventBatch
+from kvstream.scheduler import Scheduler
 
 __all__ = [
     "REQUIRE_ENV",
@@ -245,6 +246,13 @@ def stored(i: int, blocks: int = 1) -> BlockStored:
 
 def batch(seq: int, origin: str = "engine-0", epoch: str = "e1") -> EventBatch:
     return EventBatch(seq=seq, ts=1.5 + seq, events=[stored(seq)], origin=origin, epoch=epoch)
+
+
+async def tick_stored(scheduler: Scheduler, seqs: range) -> None:
+    """One tick per number in `seqs`, each with `stored(number)`."""
+    for i in seqs:
+        scheduler.emit(stored(i))
+        await scheduler.tick()
 
 
 async def read_all(url: str, **kwargs: Any) -> list[EventBatch | Gap]:

@@ -22,6 +22,7 @@ from servers import (
     read_back_in_another_process,
     seqs,
     stored,
+    tick_stored,
     wait_until,
 )
 
@@ -369,9 +370,7 @@ async def test_a_sink_whose_server_is_not_up_yet_enters_and_delivers_once_it_is(
     memory = MemorySink()
     sink = NatsSink(f"nats://127.0.0.1:{port}", create=True, retry_max=0.2)
     async with Scheduler(sinks=[memory, sink], origin="engine-0") as sched:
-        for i in range(5):
-            sched.emit(stored(i))
-            await sched.tick()
+        await tick_stored(sched, range(5))
         assert [b.seq for b in memory.batches] == list(range(5))
         st = sink.statistics()
         assert (st.healthy, st.batches_out, st.queued_batches) == (False, 0, 5)
@@ -380,9 +379,7 @@ async def test_a_sink_whose_server_is_not_up_yet_enters_and_delivers_once_it_is(
         await wait_until(lambda: sink.statistics().batches_out == 5)
         assert sink.statistics().healthy
         assert sink.connect_error is None
-        for i in range(5, 8):
-            sched.emit(stored(i))
-            await sched.tick()
+        await tick_stored(sched, range(5, 8))
     assert sink.statistics().batches_out == 8
     assert seqs(await read_all(server.url)) == list(range(8))
     # A server that answers and refuses is not "not up yet": the entry fails.

@@ -23,6 +23,7 @@ from servers import (
     redis_servers,
     seqs,
     stored,
+    tick_stored,
     wait_until,
 )
 
@@ -295,9 +296,7 @@ async def test_a_sink_whose_server_is_not_up_yet_enters_and_delivers_once_it_is(
     memory = MemorySink()
     sink = RedisSink(f"redis://127.0.0.1:{port}", stream="kv:late", retry_max=0.2)
     async with Scheduler(sinks=[memory, sink], origin="engine-0") as sched:
-        for i in range(5):
-            sched.emit(stored(i))
-            await sched.tick()
+        await tick_stored(sched, range(5))
         assert [b.seq for b in memory.batches] == list(range(5))
         st = sink.statistics()
         assert (st.healthy, st.batches_out, st.queued_batches) == (False, 0, 5)
@@ -306,9 +305,7 @@ async def test_a_sink_whose_server_is_not_up_yet_enters_and_delivers_once_it_is(
         await wait_until(lambda: sink.statistics().batches_out == 5)
         assert sink.statistics().healthy
         assert sink.connect_error is None
-        for i in range(5, 8):
-            sched.emit(stored(i))
-            await sched.tick()
+        await tick_stored(sched, range(5, 8))
     assert sink.statistics().batches_out == 8
     assert seqs(await read_all(f"{server.url}/kv:late")) == list(range(8))
     # A server that answers and refuses is not "not up yet": the entry fails.

@@ -9,7 +9,9 @@ only where its broker stores the envelope and the beats.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from anyio.abc import TaskGroup
@@ -22,12 +24,14 @@ from kvstream._wire.broker import (
     SnapshotInfo,
     snapshot_envelope,
 )
-from kvstream.errors import TransportError
+from kvstream.errors import KVStreamError, TransportError
 from kvstream.events import EventBatch
 from kvstream.sinks.base import Sink
 from kvstream.state import DEFAULT_MAX_BYTES, Snapshot
 
 __all__ = ["BrokerSink"]
+
+log = logging.getLogger("kvstream.sinks")
 
 
 class BrokerSink(Sink):
@@ -131,6 +135,16 @@ class BrokerSink(Sink):
         """Whether `exc` (raised while connecting) says the server could not be
         reached, rather than that it refused."""
         return False
+
+    async def _connecting(self, connect: Callable[[], Awaitable[None]]) -> None:
+        """`connect()`, keeping why it failed in `connect_error` (cleared once it worked)."""
+        try:
+            await connect()
+        except KVStreamError as error:  # unreachable still, or reached and refused
+            self.connect_error = str(error)
+            raise
+        self.connect_error = None
+        log.info("%s: connected", self.name)
 
     def _not_connected(self) -> TransportError:
         """The error of a send with no connection (why the last attempt failed)."""

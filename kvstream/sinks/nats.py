@@ -55,7 +55,7 @@ from kvstream._wire.broker import (
 )
 from kvstream._wire.broker_client import closed_on_error, shown_url
 from kvstream.codecs.json import JsonCodec
-from kvstream.errors import ConfigError, KVStreamError, TransportError
+from kvstream.errors import ConfigError, TransportError
 from kvstream.events import EventBatch
 from kvstream.sinks._broker import BrokerSink
 from kvstream.state import DEFAULT_MAX_BYTES
@@ -295,13 +295,7 @@ class NatsSink(BrokerSink):
             return
         self._client = self._js = None
         await nats_client.close_quietly(client)
-        try:
-            await self._connect()
-        except KVStreamError as error:  # unreachable still, or reached and refused
-            self.connect_error = str(error)
-            raise
-        self.connect_error = None
-        log.info("%s: connected", self.name)
+        await self._connecting(self._connect)
 
     def _unreachable(self, exc: TransportError) -> bool:
         # No answer (refused, reset, timed out, no such host); a refusal by the server

@@ -49,7 +49,7 @@ from kvstream._wire.broker import (
 )
 from kvstream._wire.broker_client import shown_url
 from kvstream.codecs.json import JsonCodec
-from kvstream.errors import ConfigError, DecodeError, KVStreamError, TransportError
+from kvstream.errors import ConfigError, DecodeError, TransportError
 from kvstream.events import EventBatch
 from kvstream.sinks._broker import BrokerSink
 from kvstream.state import DEFAULT_MAX_BYTES
@@ -153,13 +153,7 @@ class RedisSink(BrokerSink):
         once open reconnects by itself, checking before each command)."""
         if self._client is not None:
             return
-        try:
-            await self.open()
-        except KVStreamError as error:  # unreachable still, or reached and refused
-            self.connect_error = str(error)
-            raise
-        self.connect_error = None
-        log.info("%s: connected", self.name)
+        await self._connecting(self.open)
 
     def _unreachable(self, exc: TransportError) -> bool:
         redis = redis_client.require_redis()

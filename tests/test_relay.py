@@ -17,14 +17,16 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 import pytest
 import vllm_wire as vllm
 import zmq
+from servers import RedisServer, free_port, redis_servers
 
 import kvstream.relay as relay_module
 from kvstream._cli.main import main
@@ -35,6 +37,9 @@ from kvstream.relay import Relay, RelayStatistics
 from kvstream.scheduler import Scheduler
 from kvstream.sim import SimulatedEngine, check_consistency
 from kvstream.sinks.memory import MemorySink
+from kvstream.sinks.redis import RedisSink
+
+__all__ = ["redis_servers"]  # a fixture, imported for pytest
 
 END = b"\xff" * 8
 
@@ -277,6 +282,57 @@ def test_relay_keeps_the_origins_of_a_kvstream_upstream(workdir: Path) -> None:
         AllBlocksCleared(),
         BlockRemoved(block_hashes=[9], medium="GPU"),
     ]
+
+
+@pytest.mark.server
+def test_a_source_not_up_yet_is_relayed_once_it_is(
+    workdir: Path, redis_servers: Callable[..., RedisServer]
+) -> None:
+    """The other sources are relayed meanwhile; the late one is reached with backoff."""
+    codec = JsonCodec()
+    local = workdir / "in.jsonl"
+    event = BlockRemoved(block_hashes=[1], medium="GPU")
+    local.write_bytes(codec.encode(EventBatch(seq=0, ts=1.0, events=[event], origin="gpu-a")))
+    port = free_port()
+    out = workdir / "out.jsonl"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    relay = [sys.executable, "-m", "kvstream", "relay", "--interval", "0.02"]
+    proc = subprocess.Popen(
+        [
+            *relay,
+            *("--source", f"redis://127.0.0.1:{port}/kv?start=0"),
+            *("--source", f"file:{local}?follow=1"),
+            *("--sink", f"file:{out}"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    wait_for(lambda: {b.origin for b in read_out(out)} == {"gpu-a"}, proc)
+    server = redis_servers(port=port, appendonly=False)
+
+    async def publish() -> None:
+        async with RedisSink(server.url, stream="kv") as sink:
+            sink.offer(EventBatch(seq=0, ts=1.0, events=[event], origin="gpu-b", epoch="e"))
+
+    anyio.run(publish)
+    wait_for(lambda: {b.origin for b in read_out(out)} == {"gpu-a", "gpu-b"}, proc)
+    code, err = stop(proc)
+    assert code == 0, err
+    assert f"cannot reach redis://127.0.0.1:{port}" in err
+    assert "retrying with backoff" in err
+    assert "Traceback" not in err
+    # --no-retry: the old behaviour, a one-line error.
+    server.stop()
+    refused = subprocess.run(
+        [*relay, "--no-retry", "--source", f"redis://127.0.0.1:{port}/kv", "--sink", "memory:"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2
+    assert f"cannot reach redis://127.0.0.1:{port}" in refused.stderr
 
 
 def test_relay_refuses_a_shared_topic_for_several_sources(

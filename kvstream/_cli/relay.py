@@ -3,7 +3,9 @@
 Reads every `--source` (any subscriber URL: `zmq+tcp://...` for a vLLM,
 SGLang or TensorRT-LLM publisher, with `?replay=...` to repair gaps;
 `file:PATH?follow=1`; the other transports as they arrive) and publishes
-into every `--sink`, ticking every `--interval` seconds. Each upstream is
+into every `--sink`, ticking every `--interval` seconds. A source whose server
+cannot be reached at start is tried again with backoff while the others are
+relayed (`--no-retry` exits instead), as `kvstream tail` and `index` do. Each upstream is
 its own origin (`?origin=NAME` on a ZMQ source; kvstream-format upstreams
 keep their origins; a bound ZMQ source keeps one origin per connecting
 publisher's topic and rank). Each source reads every engine dialect (vLLM map
@@ -24,6 +26,7 @@ import socket
 import sys
 import time
 from contextlib import AsyncExitStack
+from functools import partial
 from typing import Any
 
 import anyio
@@ -31,8 +34,10 @@ import anyio
 from kvstream._cli.argtypes import non_negative_seconds, positive_seconds
 from kvstream._cli.kv_events import add_kv_events_config_option, zmq_sink_from_kv_events_config
 from kvstream._cli.longrun import Progress, add_metrics_option, metrics_token, open_metrics
+from kvstream._cli.upstream import WhenReachable, enter_upstream, unreachable
 from kvstream.config import open_sink, open_subscriber
-from kvstream.errors import ConfigError
+from kvstream.consumers.base import Subscriber
+from kvstream.errors import ConfigError, TransportError
 from kvstream.relay import GAP_POLICIES, Relay
 from kvstream.scheduler import CloseReport, Scheduler
 from kvstream.sinks.base import Sink
@@ -74,6 +79,12 @@ def register(sub: Any) -> None:
         metavar="URL",
         default=[],
         help="where batches go (repeatable): -, file:PATH, zmq+tcp://..., nats://..., ...",
+    )
+    p.add_argument(
+        "--no-retry",
+        action="store_true",
+        help="exit at once when a source's server cannot be reached at start "
+        "(default: relay the others and retry it with backoff)",
     )
     p.add_argument(
         "--interval",
@@ -148,7 +159,7 @@ async def run(args: argparse.Namespace) -> int:
     if not sinks:
         raise ConfigError("relay: expected at least one --sink URL (or --kv-events-config)")
     _check_topics(sinks, len(args.source))
-    subscribers = [open_subscriber(url) for url in args.source]
+    subscribers: list[Subscriber] = [open_subscriber(url) for url in args.source]
     stopped_by: str | None = None
     started = time.perf_counter()
     origin = args.origin or f"relay@{socket.gethostname()}"
@@ -156,8 +167,16 @@ async def run(args: argparse.Namespace) -> int:
         open_metrics(args.metrics, command="relay", token=metrics_token(args)) as metrics,
         AsyncExitStack() as stack,
     ):
-        for sub in subscribers:
-            await stack.enter_async_context(sub)
+        for i, (url, sub) in enumerate(zip(args.source, subscribers, strict=True)):
+            try:
+                await enter_upstream(sub, stack)
+            except TransportError as exc:  # a server not up yet; a bad option still stops
+                if args.no_retry or not unreachable(exc):
+                    raise
+                # Read (and entered, once reachable) by its reader's task, as tail does.
+                subscribers[i] = WhenReachable(
+                    partial(open_subscriber, url), url=url, command="relay"
+                )
         scheduler = await stack.enter_async_context(
             Scheduler(
                 sinks=sinks,

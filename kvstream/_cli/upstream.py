@@ -6,6 +6,8 @@
   raises at once. Once connected, the subscriber's own reconnect rules apply
   (a socket subscriber, entered without its own retries so that its first
   failure is seen here, resumes after a drop unless `--no-retry`).
+* `WhenReachable` is such a subscriber for a reader that takes them entered
+  (`kvstream relay`): it is entered, with those retries, by the task reading it.
 * `refuse_foreign_file` refuses, with one line, a file whose first line is not
   a kvstream batch, instead of skipping every line of it.
 * `bind_rule` says whether a ZMQ URL binds or connects, and why, for banners
@@ -19,7 +21,7 @@ import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Final
+from typing import Final, Self
 
 import anyio
 
@@ -27,13 +29,14 @@ from kvstream._backoff import Backoff
 from kvstream._redact import redact_url
 from kvstream._wire.vllm_zmq import should_bind
 from kvstream.codecs.json import JsonCodec
-from kvstream.consumers.base import Subscriber
+from kvstream.consumers.base import Subscriber, SubscriberItem
 from kvstream.consumers.socket import SocketSubscriber
 from kvstream.errors import DecodeError, KVStreamError, TransportError
 
 __all__ = [
     "RETRY_INITIAL",
     "RETRY_MAX",
+    "WhenReachable",
     "bind_rule",
     "enter_upstream",
     "open_upstream",
@@ -112,6 +115,33 @@ async def enter_upstream(sub: Subscriber, stack: AsyncExitStack, *, retry: bool 
     await stack.enter_async_context(sub)
     if socket is not None and retry:
         socket.reconnect = True
+
+
+class WhenReachable(Subscriber):
+    """A subscriber whose upstream could not be reached at start, for a reader that
+    takes subscribers already entered (`Relay`): the task reading it enters it, through
+    `open_upstream` (one line, then backoff), at its first item, and closes it."""
+
+    def __init__(self, make: Callable[[], Subscriber], *, url: str, command: str) -> None:
+        self._make = make
+        self._url = url
+        self._command = command
+        self._stack = AsyncExitStack()
+        self._items: AsyncIterator[SubscriberItem] | None = None
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> SubscriberItem:
+        if self._items is None:
+            reached = await self._stack.enter_async_context(
+                open_upstream(self._make, url=self._url, command=self._command)
+            )
+            self._items = aiter(reached)
+        return await anext(self._items)
+
+    async def aclose(self) -> None:
+        await self._stack.aclose()
 
 
 def unreachable(exc: TransportError) -> bool:

@@ -3,10 +3,10 @@
 Reads every `--source` (any subscriber URL: `zmq+tcp://...` for a vLLM,
 SGLang or TensorRT-LLM publisher, with `?replay=...` to repair gaps;
 `file:PATH?follow=1`; the other transports as they arrive) and publishes
-into every `--sink`, ticking every `--interval` seconds. A source whose server
-cannot be reached at start is tried again with backoff while the others are
-relayed (`--no-retry` exits instead), as `kvstream tail` and `index` do. Each upstream is
-its own origin (`?origin=NAME` on a ZMQ source; kvstream-format upstreams
+into every `--sink`, ticking every `--interval` seconds. A source whose
+server cannot be reached at start is tried again with backoff while the
+others are relayed (`--no-retry` exits instead). Each upstream is its own
+origin (`?origin=NAME` on a ZMQ source; kvstream-format upstreams
 keep their origins; a bound ZMQ source keeps one origin per connecting
 publisher's topic and rank). Each source reads every engine dialect (vLLM map
 and positional, SGLang, TensorRT-LLM; `?dialect=` pins one, `?media=normalize`

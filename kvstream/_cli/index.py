@@ -35,11 +35,11 @@ import anyio
 
 from kvstream._cli.argtypes import positive_int, positive_seconds
 from kvstream._cli.longrun import add_metrics_option, metrics_token, open_metrics
-from kvstream._cli.upstream import enter_upstream, open_upstream, unreachable
+from kvstream._cli.upstream import enter_now, open_upstream
 from kvstream._wire.socket_security import read_token
 from kvstream.config import open_subscriber, parse_url, redact_url
 from kvstream.consumers.base import Gap, Subscriber
-from kvstream.errors import ConfigError, KVStreamError, TransportError
+from kvstream.errors import ConfigError, KVStreamError
 from kvstream.events import EventBatch
 from kvstream.index._demo import RoutingResult, compare_routing
 from kvstream.index._http import QueryServer
@@ -232,14 +232,11 @@ async def run(args: argparse.Namespace) -> int:
         unreached: list[str] = []
         for url in args.url:
             subscriber = _subscriber(url)
-            try:
-                await enter_upstream(subscriber, stack)
-            except TransportError as exc:  # a server not up yet; a bad option still stops
-                if args.no_retry or not unreachable(exc):
-                    raise
+            # A server not up yet is reached later, in the background; a bad option stops.
+            if await enter_now(subscriber, stack, later=not args.no_retry):
+                followed[url] = subscriber
+            else:
                 unreached.append(url)
-                continue
-            followed[url] = subscriber
         if metrics is not None:
             metrics.collector.add(index, kind="index")
         print(

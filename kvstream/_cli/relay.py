@@ -34,10 +34,10 @@ import anyio
 from kvstream._cli.argtypes import non_negative_seconds, positive_seconds
 from kvstream._cli.kv_events import add_kv_events_config_option, zmq_sink_from_kv_events_config
 from kvstream._cli.longrun import Progress, add_metrics_option, metrics_token, open_metrics
-from kvstream._cli.upstream import WhenReachable, enter_upstream, unreachable
+from kvstream._cli.upstream import WhenReachable, enter_now
 from kvstream.config import open_sink, open_subscriber
 from kvstream.consumers.base import Subscriber
-from kvstream.errors import ConfigError, TransportError
+from kvstream.errors import ConfigError
 from kvstream.relay import GAP_POLICIES, Relay
 from kvstream.scheduler import CloseReport, Scheduler
 from kvstream.sinks.base import Sink
@@ -168,12 +168,8 @@ async def run(args: argparse.Namespace) -> int:
         AsyncExitStack() as stack,
     ):
         for i, (url, sub) in enumerate(zip(args.source, subscribers, strict=True)):
-            try:
-                await enter_upstream(sub, stack)
-            except TransportError as exc:  # a server not up yet; a bad option still stops
-                if args.no_retry or not unreachable(exc):
-                    raise
-                # Read (and entered, once reachable) by its reader's task, as tail does.
+            # A server not up yet: entered, once reachable, by the task reading it.
+            if not await enter_now(sub, stack, later=not args.no_retry):
                 subscribers[i] = WhenReachable(
                     partial(open_subscriber, url), url=url, command="relay"
                 )

@@ -38,6 +38,7 @@ __all__ = [
     "RETRY_MAX",
     "WhenReachable",
     "bind_rule",
+    "enter_now",
     "enter_upstream",
     "open_upstream",
     "refuse_foreign_file",
@@ -115,6 +116,18 @@ async def enter_upstream(sub: Subscriber, stack: AsyncExitStack, *, retry: bool 
     await stack.enter_async_context(sub)
     if socket is not None and retry:
         socket.reconnect = True
+
+
+async def enter_now(sub: Subscriber, stack: AsyncExitStack, *, later: bool = True) -> bool:
+    """`enter_upstream()`; False (not entered) when the upstream cannot be reached yet and
+    `later` allows trying again, from another task. Anything else raises."""
+    try:
+        await enter_upstream(sub, stack)
+    except TransportError as exc:
+        if not later or not unreachable(exc):
+            raise
+        return False
+    return True
 
 
 class WhenReachable(Subscriber):

@@ -22,7 +22,7 @@ from typing import Generic, Self, TypeVar
 
 from kvstream.errors import ClosedError
 
-__all__ = ["OneReader", "running"]
+__all__ = ["OneReader", "busy_error", "running"]
 
 T = TypeVar("T")
 
@@ -42,14 +42,19 @@ class OneReader(Generic[T]):
 
     def __anext__(self) -> Awaitable[T]:
         if running(self._gen):
-            raise ClosedError(
-                f"{self._name}: already being read by another task; each item goes to one "
-                f"reader only, so give every reader a {self._kind} of its own"
-            )
+            raise busy_error(self._name, self._kind)
         return self._gen.__anext__()
 
     async def aclose(self) -> None:
         await self._gen.aclose()
+
+
+def busy_error(name: str, kind: str) -> ClosedError:
+    """The refusal of a second reader (`kind`: what to give each reader instead)."""
+    return ClosedError(
+        f"{name}: already being read by another task; each item goes to one reader "
+        f"only, so give every reader a {kind} of its own"
+    )
 
 
 def running(gen: AsyncGenerator[object, None]) -> bool:

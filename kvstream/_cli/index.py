@@ -28,6 +28,7 @@ import signal
 import sys
 import time
 from contextlib import AsyncExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ import anyio
 
 from kvstream._cli.argtypes import positive_int, positive_seconds
 from kvstream._cli.longrun import add_metrics_option, metrics_token, open_metrics
-from kvstream._cli.upstream import enter_now, open_upstream
+from kvstream._cli.upstream import WhenReachable, enter_now
 from kvstream._wire.socket_security import read_token
 from kvstream.config import open_subscriber, parse_url, redact_url
 from kvstream.consumers.base import Gap, Subscriber
@@ -255,18 +256,9 @@ async def run(args: argparse.Namespace) -> int:
                     tg.cancel_scope.cancel()
                     return
 
-        async def reach(url: str) -> None:
-            """Follow a stream whose server could not be reached at start, once it can
-            (a router may start before its brokers); tried again with backoff."""
-            try:
-                async with open_upstream(
-                    lambda: _subscriber(url), url=url, command="index"
-                ) as subscriber:
-                    followed[url] = subscriber
-                    print(f"kvstream index: following {redact_url(url)}", file=sys.stderr)
-                    await follow(subscriber, url)
-            except KVStreamError as exc:  # reached, and refused: that stream fails
-                _failed(url, exc, set())
+        def reached(url: str, subscriber: Subscriber) -> None:
+            followed[url] = subscriber
+            print(f"kvstream index: following {redact_url(url)}", file=sys.stderr)
 
         def _failed(url: str, exc: KVStreamError, fed: set[tuple[str, int | None]]) -> None:
             # One stream's fault stays its own: the others are still followed, and
@@ -339,8 +331,14 @@ async def run(args: argparse.Namespace) -> int:
         tg.start_soon(watch_signals)
         for url, subscriber in followed.items():
             tg.start_soon(follow, subscriber, url)
-        for url in unreached:
-            tg.start_soon(reach, url)
+        for url in unreached:  # reached with backoff, in the task that follows it
+            later = WhenReachable(
+                partial(_subscriber, url),
+                url=url,
+                command="index",
+                on_reached=partial(reached, url),
+            )
+            tg.start_soon(follow, later, url)
         tg.start_soon(keep_alive)
         if state_path is not None:
             tg.start_soon(save_periodically)

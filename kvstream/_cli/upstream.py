@@ -132,13 +132,22 @@ async def enter_now(sub: Subscriber, stack: AsyncExitStack, *, later: bool = Tru
 
 class WhenReachable(Subscriber):
     """A subscriber whose upstream could not be reached at start, for a reader that
-    takes subscribers already entered (`Relay`): the task reading it enters it, through
-    `open_upstream` (one line, then backoff), at its first item, and closes it."""
+    takes subscribers already entered (`Relay`, the index's followers): the task reading
+    it enters it, through `open_upstream` (one line, then backoff), at its first item,
+    and closes it. `on_reached` is called with the subscriber once it is entered."""
 
-    def __init__(self, make: Callable[[], Subscriber], *, url: str, command: str) -> None:
+    def __init__(
+        self,
+        make: Callable[[], Subscriber],
+        *,
+        url: str,
+        command: str,
+        on_reached: Callable[[Subscriber], None] | None = None,
+    ) -> None:
         self._make = make
         self._url = url
         self._command = command
+        self._on_reached = on_reached
         self._stack = AsyncExitStack()
         self._items: AsyncIterator[SubscriberItem] | None = None
 
@@ -151,6 +160,8 @@ class WhenReachable(Subscriber):
                 open_upstream(self._make, url=self._url, command=self._command)
             )
             self._items = aiter(reached)
+            if self._on_reached is not None:
+                self._on_reached(reached)
         return await anext(self._items)
 
     async def aclose(self) -> None:

@@ -455,9 +455,7 @@ class HttpServer(TaskOwner):
                     self._timeouts += 1
                     raise _Refusal(408, f"request body not complete within {limits.body_timeout} s")
         body = conn.take(head.size, end)  # what follows (a pipelined request) stays
-        if not bearer_authorized(head.headers.get("authorization"), self._token):
-            self._unauthorized += 1
-            raise _Refusal(401, "missing or wrong bearer token")
+        self._authorize(head.headers)
         return Request(head.method, head.target, head.headers, body)
 
     async def _read_request(
@@ -499,9 +497,7 @@ class HttpServer(TaskOwner):
             # The client sends its body only once told to (or after a wait of its
             # own, a second for curl): a refusal is due now, before the body, and
             # otherwise the go-ahead.
-            if not bearer_authorized(headers.get("authorization"), self._token):
-                self._unauthorized += 1
-                raise _Refusal(401, "missing or wrong bearer token")
+            self._authorize(headers)
             conn.write(
                 h11_conn.send(
                     h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
@@ -528,15 +524,19 @@ class HttpServer(TaskOwner):
                 raise _Refusal(408, f"request body not complete within {limits.body_timeout} s")
             else:
                 raise _Refusal(400, "connection closed mid-body")
-        if not bearer_authorized(headers.get("authorization"), self._token):
-            self._unauthorized += 1
-            raise _Refusal(401, "missing or wrong bearer token")
+        self._authorize(headers)
         return Request(
             method=event.method.decode("ascii"),
             target=event.target.decode("latin-1"),
             headers=headers,
             body=b"".join(parts),  # h11's pieces are bytearrays: one copy, to bytes
         )
+
+    def _authorize(self, headers: dict[str, str]) -> None:
+        """`401` unless the request carries the bearer token (when there is one)."""
+        if not bearer_authorized(headers.get("authorization"), self._token):
+            self._unauthorized += 1
+            raise _Refusal(401, "missing or wrong bearer token")
 
     async def _next_event(
         self,

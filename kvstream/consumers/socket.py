@@ -38,6 +38,7 @@ from anyio.streams.tls import TLSStream
 from kvstream._backoff import Backoff
 from kvstream._burst_log import BurstLog
 from kvstream._checks import flag, function, seconds, text
+from kvstream._one_reader import busy_error
 from kvstream._wire.codec_names import CodecByName, builtin_codec
 from kvstream._wire.from_seq import ANY_ORIGIN, FromSeq, check_from_seq, start_seq
 from kvstream._wire.socket_protocol import (
@@ -304,10 +305,7 @@ class SocketSubscriber(Subscriber):
         if self._items:  # what arrived already, handed out without a wait
             return self._items.popleft()
         if self._reading:
-            raise ClosedError(
-                f"{self.address}: already being read by another task; each item goes to "
-                "one reader only, so give every reader a SocketSubscriber of its own"
-            )
+            raise busy_error(self.address, "SocketSubscriber")
         self._reading = True
         try:
             return await self._next()

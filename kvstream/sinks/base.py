@@ -304,9 +304,7 @@ class Sink(TaskOwner, ABC):
             if not self.opens_later(exc):
                 raise
             # Faults stay local: this sink waits for its server, the others go on.
-            self._send_errors += 1
-            self._healthy = False
-            self._burst_errors = 1
+            self._count_failed_attempt()
             log.warning(
                 "%s: %s; entered without it: batches wait in the outbox (policy %s) "
                 "while it tries again with backoff",
@@ -569,11 +567,7 @@ class Sink(TaskOwner, ABC):
                 else:
                     await self.write_many(items)
             except Exception as exc:
-                self._send_errors += 1
-                if self._healthy:
-                    self._healthy = False
-                    self._burst_errors = 0
-                self._burst_errors += 1
+                self._count_failed_attempt()
                 self._write_log.log(
                     "%s: send failed (%s: %s); retrying with backoff",
                     self.name,
@@ -602,6 +596,14 @@ class Sink(TaskOwner, ABC):
                 self._events_out += len(batch.events)
                 self._bytes_out += len(data)
             return
+
+    def _count_failed_attempt(self) -> None:
+        """A send (or the opening) failed: unhealthy until one works again."""
+        self._send_errors += 1
+        if self._healthy:
+            self._healthy = False
+            self._burst_errors = 0
+        self._burst_errors += 1
 
     # -- shutdown -----------------------------------------------------------------
 

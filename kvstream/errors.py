@@ -10,6 +10,7 @@ working:
     │   └── InvalidEventTypeError (TypeError)   ... because a field has the wrong type
     ├── DecodeError (ValueError)           bytes that do not decode to a valid batch
     ├── ConfigError (ValueError)           a bad URL, option or configuration value
+    │   └── MissingStreamError             ... naming a broker stream that does not exist (yet)
     ├── MissingDependencyError (ImportError)   an optional extra is not installed
     ├── ClosedError (RuntimeError)         the object was used after `aclose()`
     └── TransportError (OSError)           a sink or source cannot reach its peer
@@ -34,6 +35,7 @@ __all__ = [
     "InvalidEventTypeError",
     "KVStreamError",
     "MissingDependencyError",
+    "MissingStreamError",
     "TransportError",
     "shorten",
 ]
@@ -57,6 +59,16 @@ class DecodeError(KVStreamError, ValueError):
 
 class ConfigError(KVStreamError, ValueError):
     """A bad URL, option or configuration value."""
+
+
+class MissingStreamError(ConfigError):
+    """The broker stream a subscriber reads does not exist (yet).
+
+    A configuration error to the library (nothing is read until someone creates
+    the stream), but one that a start order explains: a reader started before the
+    sink that creates its stream (`?create=true`). The command line waits for it,
+    as for a server not up yet; a program can catch this error and do the same.
+    """
 
 
 class MissingDependencyError(KVStreamError, ImportError):

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 import pytest
 from servers import (
     CuttingProxy,
@@ -414,3 +417,77 @@ async def test_cli_errors_and_demo_through_nats(nats_server: NatsServer) -> None
     assert len(batches) > 0
     assert seqs(items) == list(range(len(batches)))
     check_consistency(batches)
+
+
+@SERVER
+async def test_a_fetch_whose_poll_runs_out_is_no_message_not_a_lost_connection(
+    nats_server: NatsServer,
+) -> None:
+    """nats-py ends a fetch whose deadline ran out with asyncio's TimeoutError, not its
+    own: that is an empty poll (it was read as a failure, and reconnected, every few)."""
+    async with NatsSink(nats_server.url, create=True) as sink:
+        sink.offer(batch(0))
+    got: list[int] = []
+
+    async def busy_loop() -> None:  # a host loop with other work: polls' deadlines run out
+        while True:
+            time.sleep(0.004)  # noqa: ASYNC251 - blocking the loop is the point
+            await anyio.lowlevel.checkpoint()
+
+    async with (
+        NatsSubscriber(nats_server.url, deliver="all", poll_interval=0.002) as sub,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(busy_loop)
+        with anyio.move_on_after(1.0):  # polls, a few hundred of them, on an idle stream
+            async for item in sub:
+                assert isinstance(item, EventBatch)
+                got.append(item.seq)
+        tg.cancel_scope.cancel()
+        assert sub.reconnects == 0
+    assert got == [0]
+
+
+@SERVER
+async def test_cli_waits_for_a_stream_not_created_yet_and_reads_it_from_its_start(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """A relay (or index, or tail) started before the sink that creates its stream waits
+    for the stream; once it exists, every batch in it is newer than the reader, so none
+    is skipped (reading "new" messages would lose those stored before it was found)."""
+    out = tmp_path / "out.jsonl"
+    relay = [sys.executable, "-m", "kvstream", "relay", "--interval", "0.02"]
+    args = [*relay, "--source", nats_server.url, "--sink", f"file:{out}"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    refused = await anyio.run_process([*args, "--no-retry"], check=False, env=env)
+    assert refused.returncode == 2
+    assert "no JetStream stream covers subject" in refused.stderr.decode()
+    proc = await anyio.open_process(args, env=env)
+    try:
+        assert proc.stderr is not None
+        said = b""
+        with anyio.fail_after(30):
+            while b"retrying with backoff" not in said:
+                said += await proc.stderr.receive()
+        async with NatsSink(nats_server.url, create=True) as sink:
+            for seq in range(5):
+                sink.offer(batch(seq))
+
+        def relayed() -> list[int]:  # the relay re-batches: its events, by first block
+            data = out.read_bytes() if out.exists() else b""
+            batches = JsonCodec().decode_lines(data[: data.rfind(b"\n") + 1])
+            return [
+                e.block_hashes[0] for b in batches for e in b.events if hasattr(e, "block_hashes")
+            ]
+
+        await wait_until(lambda: len(relayed()) == 5, "the five batches relayed")
+        proc.terminate()
+        async for chunk in proc.stderr:
+            said += chunk
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.aclose()
+    assert proc.returncode == 0, said.decode()
+    assert relayed() == [seq * 1000 + 1 for seq in range(5)]
+    assert b"Traceback" not in said

@@ -36,7 +36,7 @@ import anyio
 
 from kvstream._cli.argtypes import positive_int, positive_seconds
 from kvstream._cli.longrun import add_metrics_option, metrics_token, open_metrics
-from kvstream._cli.upstream import WhenReachable, enter_now
+from kvstream._cli.upstream import WhenReachable, first_attempt
 from kvstream._wire.socket_security import read_token
 from kvstream.config import open_subscriber, parse_url, redact_url
 from kvstream.consumers.base import Gap, Subscriber
@@ -230,14 +230,16 @@ async def run(args: argparse.Namespace) -> int:
         ) as server,
         anyio.create_task_group() as tg,
     ):
-        unreached: list[str] = []
+        unreached: dict[str, KVStreamError] = {}  # url -> why the first attempt failed
         for url in args.url:
             subscriber = _subscriber(url)
-            # A server not up yet is reached later, in the background; a bad option stops.
-            if await enter_now(subscriber, stack, later=not args.no_retry):
+            # A server (or stream) not up yet is reached later, in the background;
+            # a bad option stops.
+            why = await first_attempt(subscriber, stack, later=not args.no_retry)
+            if why is None:
                 followed[url] = subscriber
             else:
-                unreached.append(url)
+                unreached[url] = why
         if metrics is not None:
             metrics.collector.add(index, kind="index")
         print(
@@ -331,12 +333,13 @@ async def run(args: argparse.Namespace) -> int:
         tg.start_soon(watch_signals)
         for url, subscriber in followed.items():
             tg.start_soon(follow, subscriber, url)
-        for url in unreached:  # reached with backoff, in the task that follows it
+        for url, why in unreached.items():  # reached with backoff, in the task following it
             later = WhenReachable(
                 partial(_subscriber, url),
                 url=url,
                 command="index",
                 on_reached=partial(reached, url),
+                failed=why,
             )
             tg.start_soon(follow, later, url)
         tg.start_soon(keep_alive)

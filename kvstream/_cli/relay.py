@@ -34,7 +34,7 @@ import anyio
 from kvstream._cli.argtypes import non_negative_seconds, positive_seconds
 from kvstream._cli.kv_events import add_kv_events_config_option, zmq_sink_from_kv_events_config
 from kvstream._cli.longrun import Progress, add_metrics_option, metrics_token, open_metrics
-from kvstream._cli.upstream import WhenReachable, enter_now
+from kvstream._cli.upstream import WhenReachable, first_attempt
 from kvstream.config import open_sink, open_subscriber
 from kvstream.consumers.base import Subscriber
 from kvstream.errors import ConfigError
@@ -169,9 +169,10 @@ async def run(args: argparse.Namespace) -> int:
     ):
         for i, (url, sub) in enumerate(zip(args.source, subscribers, strict=True)):
             # A server not up yet: entered, once reachable, by the task reading it.
-            if not await enter_now(sub, stack, later=not args.no_retry):
+            failed = await first_attempt(sub, stack, later=not args.no_retry)
+            if failed is not None:
                 subscribers[i] = WhenReachable(
-                    partial(open_subscriber, url), url=url, command="relay"
+                    partial(open_subscriber, url), url=url, command="relay", failed=failed
                 )
         scheduler = await stack.enter_async_context(
             Scheduler(

@@ -1,11 +1,12 @@
 """Reaching an upstream from the command line: the same behaviour on every transport.
 
-* `open_upstream` enters a subscriber (`enter_upstream`), retrying with exponential backoff
-  while its upstream cannot be reached: one clear line on the first failure,
-  every attempt logged (`-v` shows them), `retry=False` (`--no-retry`)
-  raises at once. Once connected, the subscriber's own reconnect rules apply
-  (a socket subscriber, entered without its own retries so that its first
-  failure is seen here, resumes after a drop unless `--no-retry`).
+* `open_upstream` enters a subscriber (`enter_upstream`), retrying with exponential
+  backoff while its upstream is not there yet (its server cannot be reached, or a NATS
+  stream does not exist yet: a reader started before the sink that creates it): one
+  clear line on the first failure, every attempt logged (`-v` shows them),
+  `retry=False` (`--no-retry`) raises at once. Once connected, the subscriber's own
+  reconnect rules apply (a socket subscriber, entered without its own retries so that
+  its first failure is seen here, resumes after a drop unless `--no-retry`).
 * `WhenReachable` is such a subscriber for a reader that takes them entered
   (`kvstream relay`): it is entered, with those retries, by the task reading it.
 * `refuse_foreign_file` refuses, with one line, a file whose first line is not
@@ -30,19 +31,20 @@ from kvstream._redact import redact_url
 from kvstream._wire.vllm_zmq import should_bind
 from kvstream.codecs.json import JsonCodec
 from kvstream.consumers.base import Subscriber, SubscriberItem
+from kvstream.consumers.nats import NatsSubscriber
 from kvstream.consumers.socket import SocketSubscriber
-from kvstream.errors import DecodeError, KVStreamError, TransportError
+from kvstream.errors import DecodeError, KVStreamError, MissingStreamError, TransportError
 
 __all__ = [
     "RETRY_INITIAL",
     "RETRY_MAX",
     "WhenReachable",
     "bind_rule",
-    "enter_now",
     "enter_upstream",
+    "first_attempt",
+    "not_there_yet",
     "open_upstream",
     "refuse_foreign_file",
-    "unreachable",
 ]
 
 log = logging.getLogger("kvstream.cli")
@@ -63,26 +65,34 @@ async def open_upstream(
     retry: bool = True,
     initial: float = RETRY_INITIAL,
     maximum: float = RETRY_MAX,
+    failed: KVStreamError | None = None,
 ) -> AsyncIterator[Subscriber]:
-    """Enter the subscriber `make()` builds, retrying while `url` is unreachable.
+    """Enter the subscriber `make()` builds, retrying while `url` is not there yet.
 
-    `make` is called once per attempt (a subscriber is entered once). A
-    [`TransportError`][kvstream.errors.TransportError] on entering is retried after
-    `initial` seconds, doubling up to `maximum`, unless the peer answered and
-    refused (its cause is a kvstream error); any other error, and every failure
-    when `retry` is false, propagates.
+    `make` is called once per attempt (a subscriber is entered once). An error
+    `not_there_yet()` accepts is retried after `initial` seconds, doubling up to
+    `maximum`; any other error, and every failure when `retry` is false, propagates.
+    `failed` is the error of an attempt made before (`first_attempt()`).
+
+    A NATS stream that did not exist at an earlier attempt is read from its start:
+    every message in it is newer than this reader ("new" would skip those stored
+    between its creation and the attempt that finds it).
     """
     backoff = Backoff(initial, maximum, where=f"kvstream {command}: retry")
     shown = redact_url(url)
+    missing = isinstance(failed, MissingStreamError)
     while True:
         attempt = backoff.failures + 1
         sub = make()
+        if missing:
+            _read_from_start(sub)
         stack = AsyncExitStack()
         try:
             await enter_upstream(sub, stack, retry=retry)
-        except TransportError as exc:
-            if not retry or not unreachable(exc):
+        except (TransportError, MissingStreamError) as exc:
+            if not retry or not not_there_yet(exc):
                 raise
+            missing = missing or isinstance(exc, MissingStreamError)
             delay = backoff.next_delay()
             if attempt == 1:
                 print(
@@ -118,23 +128,33 @@ async def enter_upstream(sub: Subscriber, stack: AsyncExitStack, *, retry: bool 
         socket.reconnect = True
 
 
-async def enter_now(sub: Subscriber, stack: AsyncExitStack, *, later: bool = True) -> bool:
-    """`enter_upstream()`; False (not entered) when the upstream cannot be reached yet and
-    `later` allows trying again, from another task. Anything else raises."""
+def _read_from_start(sub: Subscriber) -> None:
+    """Make a NATS subscriber that would read only new messages read all of its stream."""
+    if isinstance(sub, NatsSubscriber) and sub.deliver == "new":
+        sub.deliver = "all"
+
+
+async def first_attempt(
+    sub: Subscriber, stack: AsyncExitStack, *, later: bool = True
+) -> KVStreamError | None:
+    """`enter_upstream()`: None when entered; the error when the upstream is not there
+    yet and `later` allows trying again, from another task (pass it to `open_upstream`
+    or `WhenReachable` as `failed`). Anything else raises."""
     try:
         await enter_upstream(sub, stack)
-    except TransportError as exc:
-        if not later or not unreachable(exc):
+    except (TransportError, MissingStreamError) as exc:
+        if not later or not not_there_yet(exc):
             raise
-        return False
-    return True
+        return exc
+    return None
 
 
 class WhenReachable(Subscriber):
     """A subscriber whose upstream could not be reached at start, for a reader that
     takes subscribers already entered (`Relay`, the index's followers): the task reading
     it enters it, through `open_upstream` (one line, then backoff), at its first item,
-    and closes it. `on_reached` is called with the subscriber once it is entered."""
+    and closes it. `on_reached` is called with the subscriber once it is entered;
+    `failed` is why the first attempt (`first_attempt()`) did not enter it."""
 
     def __init__(
         self,
@@ -143,8 +163,10 @@ class WhenReachable(Subscriber):
         url: str,
         command: str,
         on_reached: Callable[[Subscriber], None] | None = None,
+        failed: KVStreamError | None = None,
     ) -> None:
         self._make = make
+        self._failed = failed
         self._url = url
         self._command = command
         self._on_reached = on_reached
@@ -157,7 +179,7 @@ class WhenReachable(Subscriber):
     async def __anext__(self) -> SubscriberItem:
         if self._items is None:
             reached = await self._stack.enter_async_context(
-                open_upstream(self._make, url=self._url, command=self._command)
+                open_upstream(self._make, url=self._url, command=self._command, failed=self._failed)
             )
             self._items = aiter(reached)
             if self._on_reached is not None:
@@ -168,11 +190,14 @@ class WhenReachable(Subscriber):
         await self._stack.aclose()
 
 
-def unreachable(exc: TransportError) -> bool:
-    """Whether `exc` says the upstream could not be reached (worth trying again). A
+def not_there_yet(exc: KVStreamError) -> bool:
+    """Whether `exc` says the upstream is not there yet (worth trying again): its
+    server could not be reached, or the stream it reads does not exist yet. A
     peer that answered and refused (a protocol error: a bad token, a `from_seq`
     ahead) will refuse again."""
-    return not isinstance(exc.__cause__, KVStreamError)
+    if isinstance(exc, MissingStreamError):
+        return True
+    return isinstance(exc, TransportError) and not isinstance(exc.__cause__, KVStreamError)
 
 
 def refuse_foreign_file(path: str) -> None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstream._wire.broker import subject_covers
 from kvstream._wire.broker_client import import_extra, shown_url
-from kvstream.errors import ConfigError, KVStreamError, TransportError
+from kvstream.errors import ConfigError, KVStreamError, MissingStreamError, TransportError
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -167,7 +167,9 @@ def jetstream_errors(where: str, doing: str) -> Iterator[None]:
         raise TransportError(f"{where}: cannot {doing}: {describe_error(exc)}") from exc
 
 
-def no_stream_error(where: str, stream: str | None, subject: str, remedy: str) -> ConfigError:
+def no_stream_error(
+    where: str, stream: str | None, subject: str, remedy: str
+) -> MissingStreamError:
     """The error for a missing stream (the one named `stream`, or any covering `subject`).
 
     `remedy` completes "create it, or ...": what the user can do instead.
@@ -177,7 +179,7 @@ def no_stream_error(where: str, stream: str | None, subject: str, remedy: str) -
         if stream
         else f"no JetStream stream covers subject {subject!r}"
     )
-    return ConfigError(f"{where}: {which}; create it, or {remedy}")
+    return MissingStreamError(f"{where}: {which}; create it, or {remedy}")
 
 
 async def close_quietly(client: Client | None, *, force: bool = False) -> None:

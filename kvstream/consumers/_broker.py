@@ -115,14 +115,21 @@ class Outage:
     async def wait(self, exc: Exception) -> None:
         """Count the failure `exc` and sleep before the next attempt."""
         if self.backoff.failures == 0:
-            log.warning("%s: %s; %s with backoff", self.where, exc, self.retrying)
+            said = str(exc)  # kvstream's errors already start with the URL
+            if not said.startswith(self.where):
+                said = f"{self.where}: {said}"
+            log.warning("%s; %s with backoff", said, self.retrying)
         await self.backoff.wait()
 
     def succeeded(self) -> None:
         """An attempt worked: the next failure starts a new outage."""
         if self.backoff.failures:
+            failures = self.backoff.failures
             log.warning(
-                "%s: reading again after %d failed attempts", self.where, self.backoff.failures
+                "%s: reading again after %d failed attempt%s",
+                self.where,
+                failures,
+                "" if failures == 1 else "s",
             )
             self.backoff.reset()
 

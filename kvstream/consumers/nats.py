@@ -382,7 +382,7 @@ class NatsSubscriber(BrokerSubscriber["Client"]):
             self._fetch_scope = scope
             try:
                 return await psub.fetch(batch=self.fetch_batch, timeout=self.poll_interval)
-            except nats.errors.TimeoutError:
+            except TimeoutError:  # nats-py's, or asyncio's when the poll's deadline ran out
                 return []
             except (nats.errors.Error, OSError) as exc:
                 raise TransportError(

@@ -210,3 +210,45 @@ async def test_a_follower_reads_across_rotations_without_gaps(tmp_path: Path) ->
     assert seen == list(range(n))
     assert sink.rotation is not None
     assert sink.rotation.rotations == n - 1
+
+
+# -- rotation by something else (logrotate's "create" mode, an operator's rm) ----------
+
+
+async def test_a_file_moved_away_or_deleted_is_followed_by_a_new_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The sink notices (within the check interval of its clock) and starts a new file
+    at its path; before, it wrote on into the renamed file, or into a deleted one."""
+    path = tmp_path / "events.jsonl"
+    now = [0.0]
+    sink = FileSink(path, clock=lambda: now[0])
+
+    async def tick(scheduler: Scheduler, n: int) -> None:
+        for _ in range(n):
+            scheduler.emit(stored(1))
+            await scheduler.tick()
+        await until(lambda: sink.statistics().queued_batches == 0)
+
+    async with Scheduler(sinks=[sink], origin="o", epoch="e") as scheduler:
+        await tick(scheduler, 2)
+        moved = tmp_path / "events.jsonl.1"
+        path.rename(moved)  # what logrotate does, then it creates an empty file
+        path.write_bytes(b"")
+        await tick(scheduler, 1)  # within the interval: still the file it has open
+        now[0] += 1.0
+        await tick(scheduler, 2)
+        assert sink.reopened == 1
+        path.unlink()
+        now[0] += 1.0
+        await tick(scheduler, 1)
+        assert sink.reopened == 2
+    assert sink.statistics().batches_out == 6
+    assert read_seqs([moved]) == [0, 1, 2]
+    assert read_seqs([path]) == [5]
+    assert "moved away or deleted by something else" in caplog.text
+    # A file that stays where it is is never reopened, however long the sink runs.
+    steady = FileSink(tmp_path / "steady.jsonl", clock=lambda: now[0])
+    await run_batches(steady, 3, advance=now)
+    assert steady.reopened == 0
+    assert read_seqs([tmp_path / "steady.jsonl"]) == [0, 1, 2]

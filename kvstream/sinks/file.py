@@ -25,6 +25,12 @@ a little at a time is used as it returns, and a batch is never torn.
 With `rotate_bytes` and/or `rotate_seconds` the file is rotated between
 writes (`events.jsonl` -> `events.000001.jsonl`, ...), keeping the newest
 `keep` rotated files: see [`kvstream.sinks.rotation`][kvstream.sinks.rotation].
+
+A regular file moved away or deleted by something else (logrotate's default
+`create` mode, an operator's `rm`) is noticed at the first write after it,
+at most a second late (a `stat` of the path, at most once a second), and a new file is
+started at the path: the sink would otherwise write on, unseen, into the renamed
+file (which logrotate then compresses and deletes) or into a deleted one.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ DEFAULT_INLINE_BUDGET: Final = 0.01
 #: slow one, up to `_MAX_COOLDOWN`, and back to this after a quick one.
 DEFAULT_INLINE_COOLDOWN: Final = 5.0
 _MAX_COOLDOWN: Final = 300.0
+#: Seconds between two checks that the path is still the file being written.
+_PATH_CHECK_INTERVAL: Final = 1.0
 
 
 class FileSink(Sink):
@@ -66,7 +74,8 @@ class FileSink(Sink):
 
     `rotate_bytes` (a size) and `rotate_seconds` rotate the file, `keep`
     bounds how many rotated files stay; `clock` (monotonic seconds) times
-    `rotate_seconds`. `inline`: write on the tick when nothing is queued
+    `rotate_seconds` and the check that the file was not moved away (see the
+    module doc). `inline`: write on the tick when nothing is queued
     (see the module doc); `inline_budget` / `inline_cooldown`: how slow an
     inline write may be (seconds), and for how long a slower one sends the
     writes to the worker thread.
@@ -102,6 +111,13 @@ class FileSink(Sink):
             raise ConfigError("FileSink: codec: expected a codec, got None")
         self.path = os.fspath(path)
         self._file: IO[bytes] | None = None
+        self._clock = clock
+        #: (device, inode) of the open file, when it is a regular file whose path is
+        #: checked (see the module doc); None: not checked.
+        self._identity: tuple[int, int] | None = None
+        self._path_check_at = 0.0
+        #: Times the file was found moved away or deleted and a new one started.
+        self.reopened = 0
         #: the leading batches of a write that failed for want of space and are
         #: on disk already: the retry of that same write skips them
         self._written_ahead: list[bytes] = []
@@ -146,11 +162,36 @@ class FileSink(Sink):
         self._end_torn_line(f)
         if self.rotation is not None:
             self.rotation.opened(f.tell())
-        mode = os.fstat(fd).st_mode
-        self._inline_target = self.inline and (
-            stat.S_ISREG(mode) or os.path.realpath(self.path) == os.devnull
-        )
+        st = os.fstat(fd)
+        regular = stat.S_ISREG(st.st_mode)
+        self._inline_target = self.inline and (regular or os.path.realpath(self.path) == os.devnull)
+        self._identity = (st.st_dev, st.st_ino) if regular else None
+        self._path_check_at = self._clock() + _PATH_CHECK_INTERVAL
         return f
+
+    def _reopen_if_replaced(self) -> None:
+        """Start a new file at the path if the open one was moved away or deleted."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            pass  # deleted (or moved, and nothing created in its place)
+        except OSError:
+            return  # cannot tell (permissions on the folder): keep writing
+        else:
+            if (st.st_dev, st.st_ino) == self._identity:
+                return
+        log.warning(
+            "%s: %s was moved away or deleted by something else (logrotate?); "
+            "the batches from here on go to a new %s",
+            self.name,
+            self.path,
+            self.path,
+        )
+        f, self._file = self._file, None
+        if f is not None:
+            f.close()
+        self._file = self._open_file()  # an OSError is retried by the writer, like a write's
+        self.reopened += 1
 
     def _end_torn_line(self, f: IO[bytes]) -> None:
         """End a torn last line (a writer killed mid-line) before appending to it.
@@ -199,6 +240,12 @@ class FileSink(Sink):
         """
         if self._written_ahead:
             chunks = self._skip_written_ahead(chunks)
+        if self._identity is not None:
+            if self._file is None:  # a new file could not be opened: try again
+                self._file = self._open_file()
+            elif (now := self._clock()) >= self._path_check_at:
+                self._path_check_at = now + _PATH_CHECK_INTERVAL
+                self._reopen_if_replaced()
         if self.rotation is not None:
             self._rotate_if_due(sum(map(len, chunks)))
         f = self._file

@@ -215,3 +215,39 @@ def test_demo_banner_says_whether_each_zmq_endpoint_binds_or_connects(tmp_path: 
     assert len(hint) == 1  # once
     assert "a subscriber there must bind" in hint[0]
     assert f"tcp://127.0.0.1:{port} never had a subscriber" in text
+
+
+@pytest.mark.parametrize("command", ["demo", "relay"])
+def test_a_closed_stdout_stops_the_command_quietly(command: str, tmp_path: Path) -> None:
+    """`kvstream demo --sink - | head`: the command stops once head has what it wanted,
+    as on SIGTERM (it retried the write for ever, and an endless demo never ended)."""
+    if command == "demo":
+        args = ["demo", "--steps", "0", "--sink", "-"]
+    else:
+        source = tmp_path / "in.jsonl"
+        made = _run("demo", "--steps", "300", "--rate", "0", "--out", str(source), cwd=tmp_path)
+        assert made.returncode == 0, made.stderr
+        args = ["relay", "--source", f"file:{source}?follow=1", "--sink", "-"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstream", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+    )
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()  # what head does once it has its lines
+    try:
+        err = proc.stderr.read().decode()  # until the command exits
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+    assert JsonCodec().decode(first.strip()).seq == 0
+    assert proc.returncode == 0, err
+    assert "stopped by the reader of standard output going away" in err
+    assert "Traceback" not in err
+    assert "Exception ignored" not in err

@@ -546,6 +546,50 @@ async def test_a_sink_that_never_recovers_is_reported_at_close() -> None:
     assert not flaky.statistics().healthy
 
 
+class OneShotSink(Sink):
+    """A transport that can take one batch, then never again (a pipe whose reader left)."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.attempts = 0
+
+    async def write(self, data: bytes, batch: EventBatch) -> None:
+        self.attempts += 1
+        if self.attempts > 1:
+            raise BrokenPipeError("the reader left")
+
+    def final_error(self, exc: Exception) -> str | None:
+        return "its reader went away" if isinstance(exc, BrokenPipeError) else None
+
+
+async def test_a_final_error_ends_the_writer_and_what_follows_is_reported_at_close(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Not retried (each retry would fail the same way) and never silent: `ended` says
+    why, the batches after it are undelivered in the close report, the others go on."""
+    one, memory = OneShotSink(name="pipe", close_timeout=60.0), MemorySink()
+    async with Scheduler(sinks=[one, memory], origin="o") as s:
+        for i in range(2):
+            s.emit(BlockRemoved(block_hashes=[i]))
+            await s.tick()
+        await wait_until(lambda: one.ended is not None, "the sink ended")
+        for i in range(2, 5):
+            s.emit(BlockRemoved(block_hashes=[i]))
+            await s.tick()
+        with anyio.fail_after(30):  # drain does not wait for a writer that ended
+            report = await s.aclose()
+    assert one.ended == "its reader went away"
+    assert one.attempts == 2
+    assert [b.seq for b in memory.batches] == [0, 1, 2, 3, 4]
+    by_name = {r.name: r for r in report.sinks}
+    assert by_name["pipe"].undelivered_batches == 4
+    assert by_name["pipe"].first_undelivered == (s.origin, s.epoch, 1)
+    assert by_name[memory.name].complete
+    st = one.statistics()
+    assert (st.batches_out, st.healthy, st.send_errors) == (1, False, 1)
+    assert "its reader went away; nothing more can be delivered" in caplog.text
+
+
 async def test_an_unencodable_batch_is_dropped_loudly_and_the_rest_go_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -23,7 +23,15 @@ import anyio.lowlevel
 
 from kvstream._cli.argtypes import non_negative_int, non_negative_number, positive_int
 from kvstream._cli.kv_events import add_kv_events_config_option, zmq_sink_from_kv_events_config
-from kvstream._cli.longrun import Progress, add_metrics_option, metrics_token, open_metrics
+from kvstream._cli.longrun import (
+    STDOUT_CLOSED,
+    Progress,
+    add_metrics_option,
+    delivered,
+    metrics_token,
+    open_metrics,
+    stop_when_stdout_closes,
+)
 from kvstream._cli.upstream import bind_rule
 from kvstream._wire.vllm_zmq import should_bind
 from kvstream.config import open_sink
@@ -310,7 +318,13 @@ async def run(args: argparse.Namespace) -> int:
                         tg.cancel_scope.cancel()
                         return
 
+            def stdout_closed() -> None:
+                nonlocal stopped_by
+                stopped_by = STDOUT_CLOSED
+                tg.cancel_scope.cancel()
+
             tg.start_soon(watch_signals)
+            tg.start_soon(stop_when_stdout_closes, sinks, stdout_closed)
             tg.start_soon(progress.run)
             interval = 1.0 / args.rate if args.rate else 0.0
             next_at = anyio.current_time()
@@ -357,4 +371,4 @@ async def run(args: argparse.Namespace) -> int:
             f"kvstream demo: wrote {_size(size)} to {out} (check it: kvstream verify {out})",
             file=sys.stderr,
         )
-    return 0 if report.complete else 1
+    return 0 if delivered(report, sinks) else 1

@@ -17,6 +17,13 @@ and, in `run`, serves its objects' statistics while it works:
 (Open the metrics server outside the scheduler, so it is still listening while
 the scheduler closes, and a closing scheduler never cancels it.)
 
+A command with sinks stops, as on SIGTERM, once its standard output's reader went
+away (`kvstream relay --sink - | head`):
+
+    tg.start_soon(stop_when_stdout_closes, sinks, stop)
+    ...
+    return 0 if delivered(report, sinks) else 1
+
 and shows a progress line on stderr when stderr is a terminal:
 
     progress = Progress("relay", lambda: f"{n:,} batches")
@@ -28,20 +35,67 @@ and shows a progress line on stderr when stderr is a terminal:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Final, TextIO
 
 import anyio
 
 from kvstream._wire.socket_security import read_token
+from kvstream.scheduler import CloseReport
+from kvstream.sinks.base import Sink
+from kvstream.sinks.file import FileSink
 
 if TYPE_CHECKING:
     from kvstream.metrics import MetricsServer
 
-__all__ = ["Progress", "add_metrics_option", "metrics_token", "open_metrics"]
+__all__ = [
+    "STDOUT_CLOSED",
+    "Progress",
+    "add_metrics_option",
+    "delivered",
+    "metrics_token",
+    "open_metrics",
+    "stop_when_stdout_closes",
+]
+
+#: What a command stopped by its standard output's reader says ("stopped by ...").
+STDOUT_CLOSED: Final = "the reader of standard output going away"
+
+
+def _stdout_sinks(sinks: Sequence[Sink]) -> list[FileSink]:
+    return [s for s in sinks if isinstance(s, FileSink) and s.path == "-"]
+
+
+async def stop_when_stdout_closes(
+    sinks: Sequence[Sink], stop: Callable[[], object], *, interval: float = 0.1
+) -> None:
+    """Call `stop` once a standard-output sink can deliver nothing more (its reader
+    went away: `| head` has what it wanted), as a signal would. Returns at once
+    without such a sink."""
+    watched = _stdout_sinks(sinks)
+    if not watched:
+        return
+    # Polled: the sink notices in its writer, and says so only through `ended`.
+    while not any(s.ended for s in watched):  # noqa: ASYNC110 - no event to wait on
+        await anyio.sleep(interval)
+    # Keep Python's last flush of stdout, at exit, from complaining of the pipe.
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    stop()
+
+
+def delivered(report: CloseReport, sinks: Sequence[Sink]) -> bool:
+    """Whether every batch was delivered, but to a standard output whose reader left
+    (the summary still counts those: the reader chose to stop reading)."""
+    gone = {s.name for s in _stdout_sinks(sinks) if s.ended}
+    return all(r.complete or r.name in gone for r in report.sinks)
 
 
 def add_metrics_option(parser: argparse.ArgumentParser) -> None:

@@ -33,7 +33,15 @@ import anyio
 
 from kvstream._cli.argtypes import non_negative_seconds, positive_seconds
 from kvstream._cli.kv_events import add_kv_events_config_option, zmq_sink_from_kv_events_config
-from kvstream._cli.longrun import Progress, add_metrics_option, metrics_token, open_metrics
+from kvstream._cli.longrun import (
+    STDOUT_CLOSED,
+    Progress,
+    add_metrics_option,
+    delivered,
+    metrics_token,
+    open_metrics,
+    stop_when_stdout_closes,
+)
 from kvstream._cli.upstream import WhenReachable, first_attempt
 from kvstream.config import open_sink, open_subscriber
 from kvstream.consumers.base import Subscriber
@@ -207,7 +215,13 @@ async def run(args: argparse.Namespace) -> int:
                         relay.stop()
                         return
 
+            def stdout_closed() -> None:
+                nonlocal stopped_by
+                stopped_by = STDOUT_CLOSED
+                relay.stop()
+
             tg.start_soon(watch_signals)
+            tg.start_soon(stop_when_stdout_closes, sinks, stdout_closed)
             tg.start_soon(progress.run)
             await relay.run()
             tg.cancel_scope.cancel()
@@ -218,4 +232,4 @@ async def run(args: argparse.Namespace) -> int:
     if stopped_by:
         print(f"kvstream relay: stopped by {stopped_by}", file=sys.stderr)
     print(_summary(relay, report, sinks, elapsed), file=sys.stderr, flush=True)
-    return 0 if report.complete else 1
+    return 0 if delivered(report, sinks) else 1

@@ -20,6 +20,8 @@ transport has a lifetime. Everything else lives here:
   without waking the writer task;
 * **faults**: a failing `write` is retried with exponential backoff (after
   `Sink.recover()`), logged once per burst, and never slows the other sinks;
+  a failure after which nothing can ever be delivered (`Sink.final_error()`: a
+  pipe whose reader went away) ends the writer instead, and `Sink.ended` says why;
 * **shutdown**: `Sink.drain()` delivers what is queued within a deadline and
   reports what it could not; [`Sink.aclose()`][kvstream.sinks.base.Sink.aclose] is idempotent;
 * [`Sink.statistics()`][kvstream.sinks.base.Sink.statistics], an immutable record.
@@ -198,6 +200,7 @@ class Sink(TaskOwner, ABC):
         self._send_errors = 0
         self._healthy = True
         self._burst_errors = 0
+        self._ended: str | None = None
         self._discarded: set[int] = set()
         self._events_refused = 0
         # Logged once per burst (kvstream._burst_log): drops end when the outbox
@@ -245,6 +248,21 @@ class Sink(TaskOwner, ABC):
 
     async def recover(self, exc: Exception) -> None:
         """Called after `write` raised `exc`, before the retry: reconnect here."""
+
+    def final_error(self, exc: Exception) -> str | None:
+        """Why nothing can ever be delivered after `write` raised `exc`, or None (optional hook).
+
+        None (the default): the write is retried. A reason (a pipe whose reader
+        went away): the writer stops, `ended` holds the reason, and what is
+        queued, and what is offered after, is reported undelivered at close
+        (the tick still waits for room under the `block` policy).
+        """
+        return None
+
+    @property
+    def ended(self) -> str | None:
+        """Why the sink can deliver nothing more (see `final_error()`); None while it can."""
+        return self._ended
 
     def opens_later(self, exc: TransportError) -> bool:
         """Whether the sink enters although `open()` raised `exc` (optional hook).
@@ -548,7 +566,10 @@ class Sink(TaskOwner, ABC):
                     await event.wait()
                     continue
                 items = self._take()
-                await self._deliver(items)
+                try:
+                    await self._deliver(items)
+                except _Ended:
+                    return  # what is in flight and queued stays pending, for drain()
                 self._outbox.landed()
                 # Free the encoded bytes before the next hop: the allocator then
                 # reuses that memory instead of faulting in fresh pages.
@@ -568,6 +589,16 @@ class Sink(TaskOwner, ABC):
                     await self.write_many(items)
             except Exception as exc:
                 self._count_failed_attempt()
+                why = self.final_error(exc)
+                if why is not None:
+                    self._ended = why
+                    log.warning(
+                        "%s: %s; nothing more can be delivered (what is queued is reported "
+                        "at close)",
+                        self.name,
+                        why,
+                    )
+                    raise _Ended from exc
                 self._write_log.log(
                     "%s: send failed (%s: %s); retrying with backoff",
                     self.name,
@@ -632,7 +663,7 @@ class Sink(TaskOwner, ABC):
         report = DeliveryReport(
             self.name, len(pending), n_events, pending[0].key if pending else None
         )
-        if pending:
+        if pending and self._ended is None:  # an ended sink said so when it ended
             log.error(
                 "%s: %d batches (%d events) not delivered at close, first %s",
                 self.name,
@@ -700,6 +731,10 @@ class Sink(TaskOwner, ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} policy={self.policy}>"
+
+
+class _Ended(Exception):
+    """The writer's way out when `Sink.final_error()` gave a reason."""
 
 
 async def _shielded_aclose(sink: Sink) -> None:

@@ -334,6 +334,12 @@ class FileSink(Sink):
             self._written_ahead.append(chunk)
         return kept
 
+    def final_error(self, exc: Exception) -> str | None:
+        """Standard output whose reader went away (`| head` is done) takes nothing more."""
+        if self.path == "-" and isinstance(exc, BrokenPipeError):
+            return "the reader of standard output went away"
+        return None
+
     async def write(self, data: bytes, batch: EventBatch) -> None:
         await anyio.to_thread.run_sync(self._write, (data,), limiter=self._limiter)
 

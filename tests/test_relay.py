@@ -185,14 +185,14 @@ def wait_for(condition: Any, proc: subprocess.Popen[str], timeout: float = 30.0)
         time.sleep(0.02)
 
 
-def stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
-    proc.send_signal(signal.SIGTERM)
+def stop(proc: subprocess.Popen[str], sig: signal.Signals = signal.SIGTERM) -> tuple[int, str]:
+    proc.send_signal(sig)
     try:
         _, err = proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
         _, err = proc.communicate()
-        pytest.fail(f"relay did not stop on SIGTERM: {err}")
+        pytest.fail(f"relay did not stop on {sig.name}: {err}")
     return proc.returncode, err
 
 
@@ -230,18 +230,22 @@ def test_relay_carries_a_vllm_stream_with_a_gap_repaired_by_replay(
     assert "stopped by SIGTERM" in err
 
 
-def test_sigterm_flushes_what_the_relay_holds(publisher: VllmStylePublisher, workdir: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])  # SIGHUP: a closed terminal
+def test_a_stop_signal_flushes_what_the_relay_holds(
+    publisher: VllmStylePublisher, workdir: Path, sig: signal.Signals
+) -> None:
     steps = engine_steps(20)
     for seq, events in enumerate(steps):
         publisher.publish(seq, events, live=False)
     out = workdir / "out.jsonl"
-    # A tick every minute: nothing reaches the file unless SIGTERM flushes it.
+    # A tick every minute: nothing reaches the file unless the signal flushes it.
     proc = start_relay(publisher, out, "--interval", "60")
     try:
         wait_for(lambda: publisher.requests, proc)
     finally:
-        code, err = stop(proc)
+        code, err = stop(proc, sig)
     assert code == 0, err
+    assert f"stopped by {sig.name}" in err
     batches = read_out(out)
     assert [e for b in batches for e in b.events] == [e for step in steps for e in step]
     assert len(batches) == 1  # one tick: the flush

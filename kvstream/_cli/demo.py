@@ -3,7 +3,7 @@
 Needs no server. One tick per engine step; `--rate` paces the steps. Without
 `--sink` or `--out` the batches go to a new file in the working directory,
 named for this run (`kvstream-demo-<time>-<random>.jsonl`); the summary says
-where and how big. On Ctrl-C or SIGTERM it stops stepping, delivers what it
+where and how big. On Ctrl-C, SIGTERM or SIGHUP it stops stepping, delivers what it
 has and prints the summary.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import signal
 import sys
 import time
 from collections import Counter
@@ -24,13 +23,12 @@ import anyio.lowlevel
 from kvstream._cli.argtypes import non_negative_int, non_negative_number, positive_int
 from kvstream._cli.kv_events import add_kv_events_config_option, zmq_sink_from_kv_events_config
 from kvstream._cli.longrun import (
-    STDOUT_CLOSED,
     Progress,
+    Stop,
     add_metrics_option,
     delivered,
     metrics_token,
     open_metrics,
-    stop_when_stdout_closes,
 )
 from kvstream._cli.upstream import bind_rule
 from kvstream._wire.vllm_zmq import should_bind
@@ -261,7 +259,6 @@ async def run(args: argparse.Namespace) -> int:
     batches = 0
     last_seq: int | None = None
     started = time.perf_counter()
-    stopped_by: str | None = None
     step = 0
     subscribed: set[int] = set()
 
@@ -310,21 +307,9 @@ async def run(args: argparse.Namespace) -> int:
             if zmq_sinks:
                 tg.start_soon(watch_subscribers)
 
-            async def watch_signals() -> None:
-                nonlocal stopped_by
-                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for signum in signals:
-                        stopped_by = signal.Signals(signum).name
-                        tg.cancel_scope.cancel()
-                        return
-
-            def stdout_closed() -> None:
-                nonlocal stopped_by
-                stopped_by = STDOUT_CLOSED
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(watch_signals)
-            tg.start_soon(stop_when_stdout_closes, sinks, stdout_closed)
+            stop = Stop(tg.cancel_scope.cancel)
+            tg.start_soon(stop.on_signal)
+            tg.start_soon(stop.when_stdout_closes, sinks)
             tg.start_soon(progress.run)
             interval = 1.0 / args.rate if args.rate else 0.0
             next_at = anyio.current_time()
@@ -356,8 +341,8 @@ async def run(args: argparse.Namespace) -> int:
                 last_seq = extra - 1
                 batches = extra
     elapsed = time.perf_counter() - started
-    if stopped_by:
-        print(f"kvstream demo: stopped by {stopped_by}", file=sys.stderr)
+    if stop.by:
+        print(f"kvstream demo: stopped by {stop.by}", file=sys.stderr)
     print(_summary(counts, batches, last_seq, elapsed, sinks), file=sys.stderr)
     for sink in _zmq_sinks(sinks):
         if id(sink) not in subscribed:

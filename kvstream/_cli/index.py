@@ -5,7 +5,7 @@ file, followed as it grows; ZMQ, NATS, Redis, ...), all into one
 [`PrefixIndex`][kvstream.index._prefix.PrefixIndex], and serves `POST /match` and
 `GET /stats` on 127.0.0.1. One URL per engine is the usual fleet (each ZMQ
 publisher is its own origin, named by `origin=` or its endpoint). It runs until
-Ctrl-C or SIGTERM, and keeps answering from what it has if a stream ends. A
+Ctrl-C, SIGTERM or SIGHUP, and keeps answering from what it has if a stream ends. A
 stream whose server cannot be reached at start (a broker not up yet) is tried
 again with backoff while the index serves (`--no-retry` exits instead); a bad
 option stops it at once.
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import time
 from contextlib import AsyncExitStack
@@ -35,7 +34,7 @@ from typing import Any
 import anyio
 
 from kvstream._cli.argtypes import positive_int, positive_seconds
-from kvstream._cli.longrun import add_metrics_option, metrics_token, open_metrics
+from kvstream._cli.longrun import Stop, add_metrics_option, metrics_token, open_metrics
 from kvstream._cli.upstream import WhenReachable, first_attempt
 from kvstream._wire.socket_security import read_token
 from kvstream.config import open_subscriber, parse_url, redact_url
@@ -212,7 +211,6 @@ async def run(args: argparse.Namespace) -> int:
             f"{len(stats.origins)} stream(s)",
             file=sys.stderr,
         )
-    stopped_by: str | None = None
     #: The subscriber following each URL, once its server was reached.
     followed: dict[str, Subscriber] = {}
     #: Streams whose subscriber failed: the others are still served; all failed ends it.
@@ -250,13 +248,7 @@ async def run(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-        async def watch_signals() -> None:
-            nonlocal stopped_by
-            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for signum in signals:
-                    stopped_by = signal.Signals(signum).name
-                    tg.cancel_scope.cancel()
-                    return
+        stop = Stop(tg.cancel_scope.cancel)
 
         def reached(url: str, subscriber: Subscriber) -> None:
             followed[url] = subscriber
@@ -330,7 +322,7 @@ async def run(args: argparse.Namespace) -> int:
                 except ConfigError as exc:  # a full disk must not stop the index
                     print(f"kvstream index: {exc}; will retry", file=sys.stderr)
 
-        tg.start_soon(watch_signals)
+        tg.start_soon(stop.on_signal)
         for url, subscriber in followed.items():
             tg.start_soon(follow, subscriber, url)
         for url, why in unreached.items():  # reached with backoff, in the task following it
@@ -354,8 +346,8 @@ async def run(args: argparse.Namespace) -> int:
         )
     stats = index.statistics()
     never = [url for url in args.url if url not in followed and redact_url(url) not in failed]
-    if stopped_by:
-        print(f"kvstream index: stopped by {stopped_by}", file=sys.stderr)
+    if stop.by:
+        print(f"kvstream index: stopped by {stop.by}", file=sys.stderr)
     print(
         f"kvstream index: {stats.batches:,} batches, {stats.distinct_blocks:,} blocks "
         f"over {len(stats.origins)} origin(s); {server.requests:,} queries served"

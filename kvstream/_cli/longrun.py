@@ -17,11 +17,16 @@ and, in `run`, serves its objects' statistics while it works:
 (Open the metrics server outside the scheduler, so it is still listening while
 the scheduler closes, and a closing scheduler never cancels it.)
 
-A command with sinks stops, as on SIGTERM, once its standard output's reader went
-away (`kvstream relay --sink - | head`):
+It stops on SIGINT, SIGTERM or SIGHUP (a closed terminal), delivering what it accepted,
+and a command with sinks also once its standard output's reader went away
+(`kvstream relay --sink - | head`):
 
-    tg.start_soon(stop_when_stdout_closes, sinks, stop)
+    stop = Stop(relay.stop)                  # what stopping does
+    tg.start_soon(stop.on_signal)
+    tg.start_soon(stop.when_stdout_closes, sinks)
     ...
+    if stop.by:
+        print(f"kvstream relay: stopped by {stop.by}", file=sys.stderr)
     return 0 if delivered(report, sinks) else 1
 
 and shows a progress line on stderr when stderr is a terminal:
@@ -37,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -55,40 +61,63 @@ if TYPE_CHECKING:
 
 __all__ = [
     "STDOUT_CLOSED",
+    "STOP_SIGNALS",
     "Progress",
+    "Stop",
     "add_metrics_option",
     "delivered",
     "metrics_token",
     "open_metrics",
-    "stop_when_stdout_closes",
 ]
 
 #: What a command stopped by its standard output's reader says ("stopped by ...").
 STDOUT_CLOSED: Final = "the reader of standard output going away"
+#: The signals that stop a long-running command gracefully; SIGHUP is a closed terminal
+#: (an ssh session gone), which would otherwise end it at once, undelivered batches lost.
+STOP_SIGNALS: Final = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
 
 
 def _stdout_sinks(sinks: Sequence[Sink]) -> list[FileSink]:
     return [s for s in sinks if isinstance(s, FileSink) and s.path == "-"]
 
 
-async def stop_when_stdout_closes(
-    sinks: Sequence[Sink], stop: Callable[[], object], *, interval: float = 0.1
-) -> None:
-    """Call `stop` once a standard-output sink can deliver nothing more (its reader
-    went away: `| head` has what it wanted), as a signal would. Returns at once
-    without such a sink."""
-    watched = _stdout_sinks(sinks)
-    if not watched:
-        return
-    # Polled: the sink notices in its writer, and says so only through `ended`.
-    while not any(s.ended for s in watched):  # noqa: ASYNC110 - no event to wait on
-        await anyio.sleep(interval)
-    # Keep Python's last flush of stdout, at exit, from complaining of the pipe.
-    with contextlib.suppress(OSError):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    stop()
+class Stop:
+    """Why a long-running command stops (`by`: None until it is asked to), and
+    `action`, what stopping does (cancel its task group, stop its relay), done once."""
+
+    def __init__(self, action: Callable[[], object]) -> None:
+        self.by: str | None = None
+        self._action = action
+
+    def __call__(self, why: str) -> None:
+        if self.by is None:
+            self.by = why
+            self._action()
+
+    async def on_signal(self) -> None:
+        """Stop at the first of `STOP_SIGNALS`."""
+        with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
+            async for signum in signals:
+                self(signal.Signals(signum).name)
+                return
+
+    async def when_stdout_closes(self, sinks: Sequence[Sink], *, interval: float = 0.1) -> None:
+        """Stop once a standard-output sink can deliver nothing more (its reader went
+        away: `| head` has what it wanted). Returns at once without such a sink."""
+        watched = _stdout_sinks(sinks)
+        if not watched:
+            return
+        # Polled: the sink notices in its writer, and says so only through `ended`.
+        while not any(s.ended for s in watched):  # noqa: ASYNC110 - no event to wait on
+            await anyio.sleep(interval)
+        # Keep Python's last flush of stdout, at exit, from complaining of the pipe.
+        with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        self(STDOUT_CLOSED)
 
 
 def delivered(report: CloseReport, sinks: Sequence[Sink]) -> bool:

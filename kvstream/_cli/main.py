@@ -40,7 +40,7 @@ examples:
   kvstream --config kvstream.toml demo           defaults from a TOML file ([demo] table)
   kvstream demo --help                           every command has its own help and examples
 
-Every long-running command stops cleanly on Ctrl-C or SIGTERM, delivering what it has,
+Every long-running command stops cleanly on Ctrl-C, SIGTERM or SIGHUP, delivering what it has,
 and prints a summary; --metrics ADDR serves Prometheus metrics while it runs.
 """
 

@@ -14,14 +14,13 @@ maps tier names); each ZMQ sink writes the one its consumer reads
 (`?profile=map|positional|sglang|sglang-positional|llm-d-2025-12`). An
 upstream restart reaches the sinks as `AllBlocksCleared` for that origin; so
 does an upstream gap nothing could repair, its metadata saying which batches
-were lost (`--on-gap count` only counts it). On Ctrl-C or SIGTERM it stops
+were lost (`--on-gap count` only counts it). On Ctrl-C, SIGTERM or SIGHUP it stops
 reading, delivers what it has and prints a one-line summary on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
-import signal
 import socket
 import sys
 import time
@@ -34,13 +33,12 @@ import anyio
 from kvstream._cli.argtypes import non_negative_seconds, positive_seconds
 from kvstream._cli.kv_events import add_kv_events_config_option, zmq_sink_from_kv_events_config
 from kvstream._cli.longrun import (
-    STDOUT_CLOSED,
     Progress,
+    Stop,
     add_metrics_option,
     delivered,
     metrics_token,
     open_metrics,
-    stop_when_stdout_closes,
 )
 from kvstream._cli.upstream import WhenReachable, first_attempt
 from kvstream.config import open_sink, open_subscriber
@@ -168,7 +166,6 @@ async def run(args: argparse.Namespace) -> int:
         raise ConfigError("relay: expected at least one --sink URL (or --kv-events-config)")
     _check_topics(sinks, len(args.source))
     subscribers: list[Subscriber] = [open_subscriber(url) for url in args.source]
-    stopped_by: str | None = None
     started = time.perf_counter()
     origin = args.origin or f"relay@{socket.gethostname()}"
     async with (
@@ -206,22 +203,9 @@ async def run(args: argparse.Namespace) -> int:
 
         progress = Progress("relay", progress_line)
         async with anyio.create_task_group() as tg:
-
-            async def watch_signals() -> None:
-                nonlocal stopped_by
-                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for signum in signals:
-                        stopped_by = signal.Signals(signum).name
-                        relay.stop()
-                        return
-
-            def stdout_closed() -> None:
-                nonlocal stopped_by
-                stopped_by = STDOUT_CLOSED
-                relay.stop()
-
-            tg.start_soon(watch_signals)
-            tg.start_soon(stop_when_stdout_closes, sinks, stdout_closed)
+            stop = Stop(relay.stop)
+            tg.start_soon(stop.on_signal)
+            tg.start_soon(stop.when_stdout_closes, sinks)
             tg.start_soon(progress.run)
             await relay.run()
             tg.cancel_scope.cancel()
@@ -229,7 +213,7 @@ async def run(args: argparse.Namespace) -> int:
         with anyio.CancelScope(shield=True):
             report = await scheduler.aclose()
     elapsed = time.perf_counter() - started
-    if stopped_by:
-        print(f"kvstream relay: stopped by {stopped_by}", file=sys.stderr)
+    if stop.by:
+        print(f"kvstream relay: stopped by {stop.by}", file=sys.stderr)
     print(_summary(relay, report, sinks, elapsed), file=sys.stderr, flush=True)
     return 0 if delivered(report, sinks) else 1

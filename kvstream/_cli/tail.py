@@ -6,7 +6,7 @@ end) and every other URL `kvstream.subscribe` knows (ZMQ, NATS, Redis).
 Batches go to standard output; gaps (batches that will never come) are
 warnings on standard error. An upstream that cannot be reached is retried
 with backoff (`-v` shows every attempt; `--no-retry` exits at once); a
-file that is not kvstream's JSON lines is refused. Ctrl-C or SIGTERM stops it.
+file that is not kvstream's JSON lines is refused. Ctrl-C, SIGTERM or SIGHUP stops it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import sys
 import time
 from typing import IO, Any, Final, NamedTuple
@@ -23,7 +22,7 @@ import anyio
 import orjson
 
 from kvstream._cli.argtypes import non_negative_int
-from kvstream._cli.longrun import add_metrics_option, metrics_token, open_metrics
+from kvstream._cli.longrun import Stop, add_metrics_option, metrics_token, open_metrics
 from kvstream._cli.upstream import bind_rule, open_upstream, refuse_foreign_file
 from kvstream.codecs.json import JsonCodec, json_default
 from kvstream.config import ParsedURL, parse_url, redact_url, subscribe
@@ -287,13 +286,7 @@ async def run(args: argparse.Namespace) -> int:
         if metrics is not None:
             metrics.collector.add(counters, kind="tail", labels={"url": redact_url(args.url)})
 
-        async def stop_on_signal() -> None:
-            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for _ in signals:
-                    tg.cancel_scope.cancel()
-                    return
-
-        tg.start_soon(stop_on_signal)
+        tg.start_soon(Stop(tg.cancel_scope.cancel).on_signal)
         hint = quiet_hint(parsed, QUIET_HINT_AFTER)
         if hint is not None:
 

@@ -104,6 +104,13 @@ class CloseReport(NamedTuple):
         return sum(r.undelivered_batches for r in self.sinks)
 
 
+def _leaf_errors(exc: BaseException) -> str:
+    """`Type: message` of `exc`, or of the errors an exception group holds."""
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_leaf_errors(e) for e in exc.exceptions)
+    return f"{type(exc).__name__}: {exc}"
+
+
 class _Origin:
     __slots__ = ("data_parallel_rank", "emitted", "emitted_count", "inputs", "name", "next_seq")
 
@@ -350,9 +357,21 @@ class Scheduler(TaskOwner):
         except Exception as exc:
             if not started:  # opening failed: the caller of start() gets the error
                 raise
-            # A sink failing to release its transport must not take the scheduler
-            # (and the host's task) down with it: what it delivered is reported.
-            log.error("sink %s failed while closing: %s: %s", sink.name, type(exc).__name__, exc)
+            # A sink failing (a task of its own crashed, or releasing its transport
+            # failed) must not take the scheduler and the host's task down with it:
+            # what it delivered is reported, and the batches after it are counted.
+            why = _leaf_errors(exc)
+            if self._closing.is_set():
+                log.error("sink %s failed while closing: %s", sink.name, why, exc_info=exc)
+            else:
+                sink._ended = sink._ended or f"it failed: {why}"
+                log.error(
+                    "sink %s failed: %s; it takes no more batches (they are counted as "
+                    "dropped), the other sinks go on",
+                    sink.name,
+                    why,
+                    exc_info=exc,
+                )
         finally:
             done.set()
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import anyio
 import pytest
+from anyio.abc import TaskGroup
 from servers import wait_until
 
 from kvstream import FileSink, JsonCodec, MemorySink, Scheduler
@@ -242,6 +243,45 @@ async def test_a_sink_failing_on_close_does_not_break_the_shutdown(
     assert report.complete
     assert len(bad.batches) == len(good.batches) == 5
     assert _records(caplog, "kvstream.scheduler", "bad-close failed while closing") == 1
+
+
+class CrashingTaskSink(MemorySink):
+    """A sink whose own background task fails (a bug, a library missing a function)."""
+
+    def start_tasks(self, tg: TaskGroup) -> None:
+        async def crash() -> None:
+            await self.crash.wait()
+            raise AttributeError("module 'anyio' has no attribute 'wait_readable'")
+
+        self.crash = anyio.Event()
+        tg.start_soon(crash)
+
+
+async def test_a_sink_whose_task_crashes_says_why_and_the_others_go_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The error itself is named (it was an exception group's "1 sub-exception", logged
+    as a failure "while closing"); later batches are counted, the other sinks go on."""
+    caplog.set_level(logging.ERROR)
+    stream = SeededEvents(7)
+    bad = CrashingTaskSink(name="crashy")
+    good = MemorySink(name="good")
+    async with Scheduler(sinks=[bad, good], origin="eng") as scheduler:
+        for n in range(2):
+            scheduler.emit(stream.events(n, n + 1))
+            await scheduler.tick()
+        bad.crash.set()
+        await wait_until(lambda: not bad.accepting)
+        for n in range(2, 5):
+            scheduler.emit(stream.events(n, n + 1))
+            await scheduler.tick()
+    assert len(bad.batches) == 2
+    assert len(good.batches) == 5
+    assert bad.statistics().batches_dropped == 3
+    assert bad.ended == "it failed: AttributeError: module 'anyio' has no attribute 'wait_readable'"
+    expected = "crashy failed: AttributeError: module 'anyio' has no attribute 'wait_readable'"
+    assert _records(caplog, "kvstream.scheduler", expected) == 1
+    assert _records(caplog, "kvstream.scheduler", "while closing") == 0
 
 
 async def test_a_sink_that_never_answers_is_reported_at_close_within_the_deadline(

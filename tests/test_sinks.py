@@ -265,6 +265,50 @@ async def test_file_sink_writes_a_fifo_from_the_thread(tmp_path: Path) -> None:
     assert JsonCodec().decode_lines(got[0]) == [batch(0)]
 
 
+async def test_a_fifo_whose_reader_left_is_written_to_the_next_reader(tmp_path: Path) -> None:
+    """EPIPE on a FIFO is not for ever, unlike on standard output: the pipe stays (the
+    sink holds it open), and a retry writes the batch, whole, to the next reader."""
+    import os
+
+    fifo = tmp_path / "events.fifo"
+    os.mkfifo(fifo)
+
+    def read_line() -> bytes:
+        with open(fifo, "rb") as f:
+            return f.readline()
+
+    def read_rest() -> bytes:
+        with open(fifo, "rb") as f:
+            return f.read()
+
+    async with anyio.create_task_group() as tg:
+        first: list[bytes] = []
+
+        async def first_reader() -> None:
+            first.append(await anyio.to_thread.run_sync(read_line))
+
+        tg.start_soon(first_reader)
+        sink = FileSink(fifo, retry_initial=0.01, retry_max=0.05)
+        async with sink:
+            sink.offer(batch(0))
+            await wait_until(lambda: bool(first), "the first reader's line")
+            sink.offer(batch(1))  # nobody reads: EPIPE, then no reader to open it for
+            await wait_until(lambda: sink.statistics().send_errors >= 2, "failed attempts")
+            rest: list[bytes] = []
+
+            async def second_reader() -> None:
+                rest.append(await anyio.to_thread.run_sync(read_rest))
+
+            tg.start_soon(second_reader)
+            await wait_until(lambda: sink.statistics().batches_out == 2, "batch 1 written")
+            sink.offer(batch(2))
+            await wait_until(lambda: sink.statistics().batches_out == 3, "batch 2 written")
+        await wait_until(lambda: bool(rest), "the second reader's end of file")
+    assert JsonCodec().decode_lines(first[0]) == [batch(0)]
+    assert JsonCodec().decode_lines(rest[0]) == [batch(1), batch(2)]
+    assert sink.ended is None
+
+
 @pytest.mark.parametrize(
     ("options", "field"),
     [

@@ -281,11 +281,13 @@ async def test_tail_refuses_a_file_that_is_not_kvstream_json_lines(tmp_path: Pat
         code, out, err = await run_tail(*args)
         assert code == 2
         assert out == ""
-        assert err.strip().splitlines() == [
+        # One line, naming the file and why; the JSON parser's own words vary by version.
+        (line,) = err.strip().splitlines()
+        assert line.startswith(
             f"kvstream tail: error: {foreign}: not a kvstream JSON-lines file "
-            "(its first line is not a batch: not a JSON line: unexpected character, "
-            "expected a JSON value: line 1 column 1 (char 0))"
-        ]
+            "(its first line is not a batch: not a JSON line: unexpected character"
+        )
+        assert line.endswith(": line 1 column 1 (char 0))")
 
 
 async def read_stderr_until(process: Any, needle: bytes) -> bytes:
